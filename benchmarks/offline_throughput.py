@@ -1,0 +1,131 @@
+"""Offline throughput: Folio's LLM against Hugging Face ``generate``, same run, same model.
+
+Workload (fixed seed): N requests with random prompt token ids of 32-512 tokens and
+output lengths of 32-256 tokens, ignore_eos, greedy. Both engines see the same
+prompts, dtype and thread count. Hugging Face gets its best static batching: requests
+sorted by output length then prompt length, left padding, batches of --hf-batch-size,
+each batch generating exactly its longest requested output; only the requested tokens
+count towards its throughput.
+
+    .venv/bin/python benchmarks/offline_throughput.py --dtype bfloat16 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def make_workload(n, seed, prompt_range, output_range, vocab_size):
+    rng = random.Random(seed)
+    reqs = []
+    for _ in range(n):
+        p = rng.randint(*prompt_range)
+        # avoid special tokens (the first few ids of the vocabulary)
+        reqs.append(([rng.randrange(100, vocab_size) for _ in range(p)],
+                     rng.randint(*output_range)))
+    return reqs
+
+
+def run_folio(reqs, args):
+    from folio import LLM, SamplingParams
+    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=1024, enable_prefix_caching=False,
+              **({"observability.log_level": "warning"}))
+    prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
+    params = [SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
+              for _, out in reqs]
+    llm.generate(prompts[:2], params[:2], use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    num_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert num_out == sum(out for _, out in reqs), "folio produced the wrong token count"
+    del llm
+    return {"seconds": elapsed, "output_tokens": num_out}
+
+
+def load_hf_model(dtype):
+    from transformers import AutoModelForCausalLM
+    from worker.model_files import resolve_model_path
+    path = resolve_model_path("default")
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                 dtype=torch.float32)
+    return model.to(dtype).eval()
+
+
+def run_hf(reqs, args, dtype):
+    model = load_hf_model(dtype)
+    order = sorted(range(len(reqs)), key=lambda i: (reqs[i][1], len(reqs[i][0])))
+    pad = 0
+    batches = [order[i:i + args.hf_batch_size] for i in range(0, len(order), args.hf_batch_size)]
+    t0 = time.perf_counter()
+    useful = 0
+    with torch.inference_mode():
+        for batch in batches:
+            longest = max(len(reqs[i][0]) for i in batch)
+            ids = torch.full((len(batch), longest), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, i in enumerate(batch):
+                p = reqs[i][0]
+                ids[row, longest - len(p):] = torch.tensor(p)
+                mask[row, longest - len(p):] = 1
+            new = max(reqs[i][1] for i in batch)
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                                 min_new_tokens=new, do_sample=False, pad_token_id=pad)
+            assert out.shape[1] == longest + new
+            useful += sum(reqs[i][1] for i in batch)
+    return {"seconds": time.perf_counter() - t0, "output_tokens": useful,
+            "batch_size": args.hf_batch_size}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--num-requests", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512])
+    ap.add_argument("--output-len", type=int, nargs=2, default=[32, 256])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-num-seqs", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--json", default=None, help="write the result here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    reqs = make_workload(args.num_requests, args.seed, args.prompt_len, args.output_len, 49152)
+    result = {"workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
+                           "output_len": args.output_len, "seed": args.seed,
+                           "prompt_tokens": sum(len(p) for p, _ in reqs),
+                           "output_tokens": sum(o for _, o in reqs)},
+              "dtype": args.dtype, "threads": args.threads}
+    result["folio"] = run_folio(reqs, args)
+    result["folio"]["output_tok_s"] = result["folio"]["output_tokens"] / result["folio"]["seconds"]
+    print(f"folio : {result['folio']['output_tok_s']:8.1f} output tok/s "
+          f"({result['folio']['seconds']:.1f} s)", flush=True)
+    if not args.skip_hf:
+        hf = run_hf(reqs, args, dtype)
+        hf["output_tok_s"] = hf["output_tokens"] / hf["seconds"]
+        result["hf_generate"] = hf
+        result["ratio"] = result["folio"]["output_tok_s"] / hf["output_tok_s"]
+        print(f"HF    : {hf['output_tok_s']:8.1f} output tok/s ({hf['seconds']:.1f} s, "
+              f"batch {args.hf_batch_size})")
+        print(f"ratio : {result['ratio']:.2f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""YAML → FolioConfig, with command-line and environment overrides.
+
+Precedence, lowest first: schema defaults, the YAML file, ``FOLIO_<SECTION>__<KEY>``
+environment variables, ``--set section.key=value`` overrides, keyword overrides from
+the offline API. Every key is checked against the schema: an unknown key or a value
+of the wrong type is a ConfigError naming the key and the file it came from.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from config.schema import ConfigError, FolioConfig
+
+DEFAULT_CONFIG_PATH = Path(__file__).with_name("default.yaml")
+ENV_PREFIX = "FOLIO_"
+
+# vLLM's flat engine-argument names, mapped onto our sections.
+FLAT_ALIASES = {
+    "model": "model.path",
+    "dtype": "model.dtype",
+    "max_model_len": "model.max_model_len",
+    "tokenizer": "model.tokenizer",
+    "seed": "model.seed",
+    "kv_cache_memory_bytes": "memory.kv_cache_bytes",
+    "kv_cache_bytes": "memory.kv_cache_bytes",
+    "gpu_memory_utilization": "memory.gpu_memory_utilization",
+    "block_size": "memory.block_size",
+    "num_gpu_blocks_override": "memory.num_blocks",
+    "num_blocks": "memory.num_blocks",
+    "max_num_seqs": "scheduler.max_num_seqs",
+    "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
+    "enable_chunked_prefill": "scheduler.enable_chunked_prefill",
+    "scheduling_policy": "scheduler.policy",
+    "enable_prefix_caching": "cache.enable_prefix_caching",
+    "prefix_caching_hash_algo": "cache.hash_algorithm",
+    "device": "worker.device",
+    "num_threads": "worker.num_threads",
+}
+
+
+def _section_types(cls) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
+    """Check ``value`` against annotation ``tp``; accept ints for floats only."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key, source)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+    }[tp](value)
+    if not ok:
+        raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r} (in {source})", key)
+    return float(value) if tp is float else value
+
+
+def _set_path(tree: dict, dotted: str, value: Any, source: str) -> None:
+    parts = dotted.split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"{dotted}: expected 'section.key' (in {source})", dotted)
+    tree.setdefault(parts[0], {})
+    if not isinstance(tree[parts[0]], dict):
+        raise ConfigError(f"{parts[0]}: must be a mapping (in {source})", parts[0])
+    tree[parts[0]][parts[1]] = (value, source)
+
+
+def _parse_scalar(text: str) -> Any:
+    """Parse an override value the way YAML would (``64`` → int, ``null`` → None)."""
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def parse_set_overrides(items: list[str]) -> dict[str, Any]:
+    """``["scheduler.max_num_seqs=64"]`` → ``{"scheduler.max_num_seqs": 64}``."""
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set {item!r}: expected section.key=value", item)
+        out[key.strip()] = _parse_scalar(raw.strip())
+    return out
+
+
+def env_overrides(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``FOLIO_SCHEDULER__MAX_NUM_SEQS=64`` → ``{"scheduler.max_num_seqs": 64}``."""
+    environ = os.environ if environ is None else environ
+    out = {}
+    for name, raw in environ.items():
+        if name.startswith(ENV_PREFIX) and "__" in name:
+            section, _, key = name[len(ENV_PREFIX):].lower().partition("__")
+            out[f"{section}.{key}"] = _parse_scalar(raw)
+    return out
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return data
+
+
+def _build(tree: dict[str, dict[str, tuple[Any, str]]]) -> FolioConfig:
+    sections = {}
+    top = _section_types(FolioConfig)
+    for section, entries in tree.items():
+        if section not in top:
+            srcs = {src for _, src in entries.values()} if isinstance(entries, dict) else set()
+            raise ConfigError(f"{section}: unknown section (in {', '.join(sorted(srcs))}); "
+                              f"known: {', '.join(top)}", section)
+        cls = top[section]
+        hints = _section_types(cls)
+        kwargs = {}
+        for key, (value, source) in entries.items():
+            dotted = f"{section}.{key}"
+            if key not in hints:
+                raise ConfigError(f"{dotted}: unknown key (in {source}); known keys of "
+                                  f"{section}: {', '.join(hints)}", dotted)
+            kwargs[key] = _coerce(value, hints[key], dotted, source)
+        try:
+            sections[section] = cls(**kwargs)
+        except ConfigError as e:
+            sources = sorted({src for _, src in entries.values()})
+            raise ConfigError(f"{e} (in {', '.join(sources)})", e.key) from None
+    return FolioConfig(**sections)
+
+
+def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None,
+                *, use_env: bool = True) -> FolioConfig:
+    """Build the config tree from ``path`` (default: config/default.yaml) and overrides.
+
+    ``overrides`` keys are ``section.key`` or one of vLLM's flat names in FLAT_ALIASES.
+    """
+    path = Path(path) if path is not None else DEFAULT_CONFIG_PATH
+    tree: dict[str, dict] = {}
+    for section, entries in _read_yaml(path).items():
+        if not isinstance(entries, dict):
+            raise ConfigError(f"{section}: must be a mapping of keys (in {path})", section)
+        for key, value in entries.items():
+            _set_path(tree, f"{section}.{key}", value, str(path))
+    layers = [(env_overrides() if use_env else {}, "environment"),
+              (dict(overrides or {}), "overrides")]
+    for layer, source in layers:
+        for key, value in layer.items():
+            _set_path(tree, FLAT_ALIASES.get(key, key), value, source)
+    return _build(tree)
+
+
+def config_to_dict(config: FolioConfig) -> dict:
+    """The resolved tree as plain data (for logging at start-up)."""
+    return dataclasses.asdict(config)

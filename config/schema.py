@@ -1,0 +1,151 @@
+"""The config tree: one frozen dataclass per YAML section, one documented field per key.
+
+Each field's ``metadata["doc"]`` is its one-line description; the loader uses it for
+error messages and ``folio config`` prints it. Validation lives next to the fields in
+``__post_init__`` so a bad value is rejected however the tree was built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _f(default, doc: str, **kw):
+    return field(default=default, metadata={"doc": doc, **kw})
+
+
+class ConfigError(ValueError):
+    """A config key or value is wrong; the message names the key (and the file)."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+
+def _check(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {message}", key)
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Which model to serve and how to hold its weights."""
+
+    path: str = _f("default", "GGUF file or Hugging Face checkpoint folder; 'default' is the "
+                   "bundled SmolLM2-135M-Instruct")
+    dtype: str = _f("auto", "weight and activation dtype: auto|float32|bfloat16|float16 "
+                    "(auto: bfloat16 on GPUs and bf16-capable CPUs, else float32)")
+    max_model_len: int | None = _f(None, "longest prompt + output in tokens; null takes the "
+                                   "model's own limit")
+    tokenizer: str | None = _f(None, "tokenizer.json or folder; null reads it from the model")
+    seed: int = _f(0, "seed for requests that give none")
+
+    def __post_init__(self):
+        _check(self.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.max_model_len is None or self.max_model_len >= 1, "model.max_model_len",
+               f"must be at least 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryConfig:
+    """How much memory the KV cache may take, and its page size."""
+
+    kv_cache_bytes: int = _f(2 * 1024 ** 3, "KV-cache budget in bytes on the CPU")
+    gpu_memory_utilization: float = _f(0.9, "fraction of GPU memory Folio may use in all "
+                                       "(weights, activations, KV cache)")
+    block_size: int = _f(16, "tokens per KV-cache block (page)")
+    num_blocks: int | None = _f(None, "force the number of KV blocks (tests, tuning); null "
+                                "sizes the pool from the budget")
+
+    def __post_init__(self):
+        _check(self.kv_cache_bytes > 0, "memory.kv_cache_bytes", "must be positive")
+        _check(0 < self.gpu_memory_utilization <= 1, "memory.gpu_memory_utilization",
+               f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "memory.block_size",
+               f"must be a power of two up to 256, got {self.block_size}")
+        _check(self.num_blocks is None or self.num_blocks >= 2, "memory.num_blocks",
+               "must be at least 2 (block 0 is the null block)")
+
+
+POLICIES = ("fcfs", "priority")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Continuous batching limits and policy."""
+
+    max_num_seqs: int = _f(128, "most requests running in one step")
+    max_num_batched_tokens: int = _f(2048, "token budget of one step (prefill chunks + decodes)")
+    enable_chunked_prefill: bool = _f(True, "split long prompts across steps under the budget")
+    policy: str = _f("fcfs", "fcfs (arrival order) or priority (lower priority value first)")
+
+    def __post_init__(self):
+        _check(self.max_num_seqs >= 1, "scheduler.max_num_seqs", "must be at least 1")
+        _check(self.max_num_batched_tokens >= 1, "scheduler.max_num_batched_tokens",
+               "must be at least 1")
+        _check(self.policy in POLICIES, "scheduler.policy",
+               f"must be one of {POLICIES}, got {self.policy!r}")
+
+
+HASH_ALGOS = ("sha256", "xxhash128")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """Automatic prefix caching."""
+
+    enable_prefix_caching: bool = _f(True, "reuse KV blocks of identical prompt prefixes")
+    hash_algorithm: str = _f("sha256", "block hash digest: sha256 or xxhash128")
+
+    def __post_init__(self):
+        _check(self.hash_algorithm in HASH_ALGOS, "cache.hash_algorithm",
+               f"must be one of {HASH_ALGOS}, got {self.hash_algorithm!r}")
+
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """Where and how the model runs."""
+
+    device: str = _f("auto", "auto|cpu|cuda (auto: cuda when available)")
+    num_threads: int = _f(0, "CPU threads for torch; 0 keeps torch's default (all cores)")
+
+    def __post_init__(self):
+        _check(self.device in DEVICES, "worker.device",
+               f"must be one of {DEVICES}, got {self.device!r}")
+        _check(self.num_threads >= 0, "worker.num_threads", "must be non-negative")
+
+
+LOG_FORMATS = ("console", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True, slots=True)
+class ObservabilityConfig:
+    """Logs (traces and metrics join later)."""
+
+    log_level: str = _f("info", "debug|info|warning|error")
+    log_format: str = _f("console", "console (human) or json (one object per line)")
+    log_prompts: bool = _f(False, "allow prompt and completion text in logs")
+
+    def __post_init__(self):
+        _check(self.log_level in LOG_LEVELS, "observability.log_level",
+               f"must be one of {LOG_LEVELS}")
+        _check(self.log_format in LOG_FORMATS, "observability.log_format",
+               f"must be one of {LOG_FORMATS}")
+
+
+@dataclass(frozen=True, slots=True)
+class FolioConfig:
+    """The whole tree; one YAML file fills it."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)

@@ -1,0 +1,148 @@
+"""Per-request sampling parameters, validated on construction."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, replace
+
+# Bounds shared with the API layer so both reject the same inputs.
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+class InvalidRequestError(ValueError):
+    """A request field holds a value the engine cannot serve.
+
+    ``param`` names the offending field so that callers (the offline API, the
+    HTTP layer) can report it without parsing the message.
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def _finite(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidRequestError(f"{name} must be a number, got {type(value).__name__}", name)
+    if not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be finite, got {value}", name)
+
+
+def _int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}", name)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens for one request (the fields vLLM users know).
+
+    ``temperature == 0`` means greedy decoding. ``max_tokens=None`` means "as many as
+    fit in ``max_model_len``"; the engine fills it in when the request is added.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k cut
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # number of top logprobs to return besides the sampled one
+    priority: int = 0  # lower value is served first under the priority policy
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the first field out of range."""
+        _int("n", self.n)
+        if self.n < 1:
+            raise InvalidRequestError(f"n must be at least 1, got {self.n}", "n")
+        _finite("temperature", self.temperature)
+        if self.temperature < 0:
+            raise InvalidRequestError(
+                f"temperature must be non-negative, got {self.temperature}", "temperature")
+        _finite("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        _int("top_k", self.top_k)
+        if self.top_k < 0:
+            raise InvalidRequestError(
+                f"top_k must be -1 (disable) or at least 1, got {self.top_k}", "top_k")
+        _finite("min_p", self.min_p)
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        if self.seed is not None:
+            _int("seed", self.seed)
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise InvalidRequestError(
+                    f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        _int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise InvalidRequestError(
+                f"min_tokens must be non-negative, got {self.min_tokens}", "min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                f"({self.max_tokens})", "min_tokens")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _finite(name, value)
+            if not -2 <= value <= 2:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}", name)
+        _finite("repetition_penalty", self.repetition_penalty)
+        if not 0 < self.repetition_penalty <= 2 ** 16:
+            raise InvalidRequestError(
+                f"repetition_penalty must be positive, got {self.repetition_penalty}",
+                "repetition_penalty")
+        if self.logprobs is not None:
+            _int("logprobs", self.logprobs)
+            if not 0 <= self.logprobs <= MAX_LOGPROBS:
+                raise InvalidRequestError(
+                    f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
+        _int("priority", self.priority)
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError(
+                f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}",
+                "stop")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise InvalidRequestError("stop strings must be non-empty strings", "stop")
+        for t in self.stop_token_ids:
+            _int("stop_token_ids", t)
+            if t < 0:
+                raise InvalidRequestError("stop_token_ids must be non-negative", "stop_token_ids")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
+
+    def clone(self, **changes) -> "SamplingParams":
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -1,0 +1,143 @@
+"""The offline engine: ``LLM(...).generate(prompts, params)`` in one process, no sockets."""
+from __future__ import annotations
+
+import itertools
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from config.loader import config_to_dict, load_config
+from config.schema import FolioConfig
+from engine_core.engine import EngineCore
+from engine_core.sampling_params import InvalidRequestError, SamplingParams
+from observability.logging import configure_logging, get_logger
+from services.api.output_processor import OutputProcessor
+from services.api.request_output import RequestOutput
+from services.api.tokenizer import Tokenizer
+from worker.model_files import resolve_model_path
+from worker.model_runner import ModelRunner
+
+log = get_logger(__name__)
+
+PromptType = str | dict[str, Any] | list[int]
+
+
+class LLM:
+    """vLLM-style offline engine over the same EngineCore and ModelRunner the services use.
+
+    ``LLM()`` serves the default model from config/default.yaml; ``LLM("my.yaml")`` reads
+    another file; keyword overrides take vLLM's flat names (``model=``, ``dtype=``,
+    ``max_num_seqs=``, ``enable_prefix_caching=`` ...) or dotted keys
+    (``**{"scheduler.policy": "priority"}``).
+    """
+
+    def __init__(self, config: FolioConfig | str | Path | None = None, **overrides: Any):
+        if isinstance(config, FolioConfig):
+            if overrides:
+                raise TypeError("pass overrides with a config path, not with a FolioConfig")
+            self.config = config
+        else:
+            self.config = load_config(config, overrides)
+        obs = self.config.observability
+        configure_logging(obs.log_level, obs.log_format)
+        log.info("config resolved", config=config_to_dict(self.config))
+        model_path = resolve_model_path(self.config.model.path)
+        self.tokenizer = Tokenizer.from_model_path(self.config.model.tokenizer or model_path)
+        self.runner = ModelRunner(self.config.model, self.config.memory, self.config.worker)
+        num_blocks = self.runner.initialize_kv_cache()
+        eos = tuple(dict.fromkeys((*self.runner.eos_token_ids, *self.tokenizer.eos_token_ids)))
+        self.engine = EngineCore(
+            self.config.scheduler, self.config.cache, num_blocks,
+            self.config.memory.block_size, self.runner.max_model_len, executor=self.runner,
+            eos_token_ids=eos, vocab_size=self.runner.arch.vocab_size)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise InvalidRequestError(
+            "a prompt is a string or {'prompt_token_ids': [...]}", "prompt")
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        All prompts are validated before any is queued, so a bad one raises
+        InvalidRequestError (naming the field) and leaves the engine untouched.
+        """
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = ([sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams)
+                  else list(sampling_params))
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        tokenized = [self._tokenize(p) for p in prompts]
+        for (_, ids), p in zip(tokenized, params):
+            self.engine.validate_request(ids, p)
+        req_ids = []
+        for (text, ids), p in zip(tokenized, params):
+            req_id = f"offline-{next(self._ids)}"
+            child_ids = self.engine.add_request(req_id, ids, p)
+            self.processor.add_request(req_id, text, ids, p, child_ids)
+            req_ids.append(req_id)
+        return self._run(req_ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them via the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.tokenizer.encode(
+            self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt),
+            add_special_tokens=False)} for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, req_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm and len(req_ids) > 1:
+            from tqdm import tqdm
+            bar = tqdm(total=len(req_ids), desc="Processed prompts", dynamic_ncols=True)
+        t0, num_out = time.perf_counter(), 0
+        try:
+            while len(done) < len(req_ids):
+                outputs = self.engine.step()
+                num_out += sum(len(o.new_token_ids) for o in outputs)
+                finished, to_abort = self.processor.process(outputs)
+                if to_abort:
+                    self.engine.abort_request(to_abort)
+                for out in finished:
+                    done[out.request_id] = out
+                if bar is not None and finished:
+                    bar.update(len(finished))
+                    bar.set_postfix(out_tok_s=f"{num_out / (time.perf_counter() - t0):.1f}")
+                if not outputs and not self.engine.has_unfinished_requests() and \
+                        len(done) < len(req_ids):
+                    raise RuntimeError("engine went idle with requests unfinished")
+        except BaseException:
+            pending = [r for r in req_ids if r not in done]
+            self.engine.abort_request(pending)
+            for r in pending:
+                self.processor.abort(r)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[r] for r in req_ids]

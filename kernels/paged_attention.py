@@ -1,0 +1,136 @@
+"""Attention over a flat, ragged batch whose keys and values live in a paged KV cache.
+
+The batch mixes requests of two shapes, ordered decodes first::
+
+    tokens:  [d0 d1 d2 | p0 p0 p0 p0 | p1 p1 ]      query_start_loc = [0,1,2,3,7,9]
+              decodes    prefill chunk  chunk
+    request r owns queries query_start_loc[r]:query_start_loc[r+1]; its keys are the
+    seq_lens[r] tokens at positions 0..seq_lens[r]-1, found through block_tables[r]:
+    position p sits in slot block_tables[r][p // block_size] * block_size + p % block_size.
+
+Query i of request r is at position seq_lens[r] - query_len + i and sees keys at
+positions up to its own (causal), and, with a sliding window W, only the last W of them.
+The current step's keys must already be written into the cache (reshape_and_cache).
+
+``PagedAttentionPlan`` holds what the reference derives from the batch once per step
+(gather indices and masks), so each layer only gathers and multiplies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSegment:
+    """One request with more than one query token: its token range and key source."""
+
+    start: int  # first query token in the flat batch
+    end: int
+    seq_len: int
+    key_slots: torch.Tensor | None  # [seq_len] slots to gather; None: keys are this step's
+    mask: torch.Tensor | None  # [q_len, seq_len] bool, True = attend; None: plain causal
+
+
+@dataclass(slots=True)
+class PagedAttentionPlan:
+    """Per-step gather plan of the torch reference (shared by every layer)."""
+
+    num_decodes: int
+    decode_slots: torch.Tensor | None  # [num_decodes, max_len] slots (padded with slot 0)
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool, True = attend
+    prefills: list[PrefillSegment]
+
+
+def _positions_to_slots(block_table: torch.Tensor, positions: torch.Tensor,
+                        block_size: int) -> torch.Tensor:
+    blocks = torch.gather(block_table, -1, positions // block_size)
+    return blocks * block_size + positions % block_size
+
+
+def make_plan(query_start_loc: list[int], seq_lens: list[int], block_tables: torch.Tensor,
+              block_size: int, sliding_window: int | None = None) -> PagedAttentionPlan:
+    """Derive gather indices and masks for a batch ordered decodes first."""
+    num_reqs = len(seq_lens)
+    query_lens = [query_start_loc[r + 1] - query_start_loc[r] for r in range(num_reqs)]
+    num_decodes = 0
+    while num_decodes < num_reqs and query_lens[num_decodes] == 1:
+        num_decodes += 1
+    decode_slots = decode_mask = None
+    if num_decodes:
+        lens = torch.tensor(seq_lens[:num_decodes])
+        max_len = int(lens.max())
+        pos = torch.arange(max_len).expand(num_decodes, max_len)
+        visible = pos < lens[:, None]
+        if sliding_window is not None:
+            visible &= pos > (lens[:, None] - 1 - sliding_window)
+        pos = torch.where(visible, pos, 0)
+        decode_slots = _positions_to_slots(block_tables[:num_decodes], pos, block_size)
+        decode_mask = visible[:, None, None, :]
+    prefills = []
+    for r in range(num_decodes, num_reqs):
+        start, end, seq_len = query_start_loc[r], query_start_loc[r + 1], seq_lens[r]
+        q_len = end - start
+        context_len = seq_len - q_len
+        key_slots = None
+        if context_len > 0:
+            key_slots = _positions_to_slots(block_tables[r], torch.arange(seq_len), block_size)
+        mask = None
+        if context_len > 0 or sliding_window is not None:
+            q_pos = torch.arange(context_len, seq_len)[:, None]
+            k_pos = torch.arange(seq_len)[None, :]
+            mask = k_pos <= q_pos
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+        prefills.append(PrefillSegment(start, end, seq_len, key_slots, mask))
+    return PagedAttentionPlan(num_decodes, decode_slots, decode_mask, prefills)
+
+
+def _decode_attention(query, k_flat, v_flat, plan, scale):
+    # query [D, H, hd]; gathered keys [D, L, kvh, hd] → SDPA layout [D, kvh, L, hd].
+    keys = k_flat[plan.decode_slots].transpose(1, 2)
+    values = v_flat[plan.decode_slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(query.unsqueeze(2), keys, values,
+                                         attn_mask=plan.decode_mask, scale=scale,
+                                         enable_gqa=True)
+    return out.squeeze(2)
+
+
+def _prefill_attention(query, key, value, k_flat, v_flat, seg, scale):
+    q = query[seg.start:seg.end].transpose(0, 1)  # [H, q_len, hd]
+    if seg.key_slots is None:
+        k = key[seg.start:seg.end].transpose(0, 1)
+        v = value[seg.start:seg.end].transpose(0, 1)
+    else:
+        k = k_flat[seg.key_slots].transpose(0, 1)
+        v = v_flat[seg.key_slots].transpose(0, 1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=scale,
+                                         is_causal=seg.mask is None, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def paged_attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              kv_cache: torch.Tensor, plan: PagedAttentionPlan,
+                              scale: float) -> torch.Tensor:
+    """The spec. ``query`` ``[T, H, hd]``; ``key``/``value`` ``[T, kvh, hd]`` are this
+    step's (already in the cache too). Returns ``[T, H, hd]``."""
+    num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
+    k_flat = kv_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)
+    v_flat = kv_cache[1].view(num_blocks * block_size, num_kv_heads, head_dim)
+    out = torch.empty_like(query)
+    if plan.num_decodes:
+        out[:plan.num_decodes] = _decode_attention(query[:plan.num_decodes], k_flat, v_flat,
+                                                   plan, scale)
+    for seg in plan.prefills:
+        out[seg.start:seg.end] = _prefill_attention(query, key, value, k_flat, v_flat, seg,
+                                                    scale)
+    return out
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    kv_cache: torch.Tensor, plan: PagedAttentionPlan,
+                    scale: float) -> torch.Tensor:
+    """Public entry point; dispatches on backend (the torch reference on the CPU)."""
+    return paged_attention_reference(query, key, value, kv_cache, plan, scale)

@@ -1,0 +1,48 @@
+"""The paged KV cache: one tensor per layer, ``[2, num_blocks, block_size, kv_heads, head_dim]``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.models.architecture import ModelArchitecture
+
+
+@dataclass(slots=True, frozen=True)
+class KVCacheSpec:
+    """Sizes that fix how many bytes one block takes across all layers."""
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def for_model(cls, arch: ModelArchitecture, block_size: int, dtype: torch.dtype):
+        return cls(arch.num_hidden_layers, block_size, arch.num_key_value_heads,
+                   arch.head_dim, dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def num_blocks_for(self, budget_bytes: int) -> int:
+        return budget_bytes // self.bytes_per_block
+
+
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int,
+                      device: torch.device) -> list[torch.Tensor]:
+    """Zero-filled caches (masked-out positions must never hold NaN garbage)."""
+    shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
+    """Copy whole blocks (every layer, keys and values) — copy-on-write for forks."""
+    if not src:
+        return
+    src_t, dst_t = torch.tensor(src), torch.tensor(dst)
+    for cache in kv_caches:
+        cache[:, dst_t] = cache[:, src_t]

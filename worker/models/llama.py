@@ -1,0 +1,171 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over a flat ragged batch.
+
+There is no batch dimension: ``input_ids`` and ``positions`` are ``[num_tokens]`` for
+all requests of the step laid end to end, and attention finds each request's keys
+through the paged KV cache (see kernels/paged_attention.py). q/k/v and gate/up
+projections are fused into one matmul each.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.paged_attention import PagedAttentionPlan, paged_attention
+from kernels.reshape_and_cache import reshape_and_cache
+from worker.models.architecture import ModelArchitecture
+from worker.models.rotary_embedding import RotaryEmbedding
+
+
+@dataclass(slots=True)
+class AttentionContext:
+    """What every attention layer needs for this step, passed down explicitly."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] cache slot of each new token
+    plan: PagedAttentionPlan
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation computed in float32, optionally fused with the residual add."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is not None:
+            x = x + residual
+            residual = x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention with a fused qkv projection."""
+
+    def __init__(self, arch: ModelArchitecture, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = arch.num_attention_heads
+        self.num_kv_heads = arch.num_key_value_heads
+        self.head_dim = arch.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=arch.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.rotary = rotary
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, positions, hidden, kv_cache, ctx: AttentionContext):
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        reshape_and_cache(k, v, kv_cache, ctx.slot_mapping)
+        out = paged_attention(q, k, v, kv_cache, ctx.plan, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward with a fused gate/up projection."""
+
+    def __init__(self, arch: ModelArchitecture):
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention + MLP block; the residual stream is carried between layers."""
+
+    def __init__(self, arch: ModelArchitecture, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = LlamaAttention(arch, rotary)
+        self.mlp = LlamaMLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, kv_cache, ctx):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole model: embeddings, decoder layers, final norm and the LM head."""
+
+    def __init__(self, arch: ModelArchitecture, max_positions: int):
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta,
+                                 arch.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, rotary)
+                                    for _ in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(
+            arch.hidden_size, arch.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden]`` after the final norm."""
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, ctx)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[n, vocab]`` for the selected hidden states."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up on the way."""
+        params = dict(self.named_parameters())
+        loaded = set()
+
+        def put(name, tensor):
+            if name not in params:
+                raise KeyError(f"checkpoint tensor has no place in the model: {name}")
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
+                                 f"model shape {tuple(params[name].shape)}")
+            params[name].copy_(tensor)
+            loaded.add(name)
+
+        for i in range(self.arch.num_hidden_layers):
+            p = f"model.layers.{i}."
+            for suffix in ("weight", "bias"):
+                parts = [state_dict.pop(f"{p}self_attn.{n}_proj.{suffix}", None)
+                         for n in "qkv"]
+                if all(t is not None for t in parts):
+                    put(f"layers.{i}.self_attn.qkv_proj.{suffix}", torch.cat(parts))
+            put(f"layers.{i}.mlp.gate_up_proj.weight", torch.cat(
+                [state_dict.pop(f"{p}mlp.gate_proj.weight"), state_dict.pop(f"{p}mlp.up_proj.weight")]))
+        for name, tensor in state_dict.items():
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding serves as the head
+            put(name.removeprefix("model."), tensor)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")

@@ -1,0 +1,50 @@
+"""What the model runner remembers about one request between steps."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine_core.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    """Token ids (prompt then sampled), block table and progress of one request.
+
+    The runner appends the tokens it samples itself, so the engine core never sends
+    them back; ``num_computed_tokens`` counts the tokens whose K/V are in the cache.
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    generator: torch.Generator | None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+
+def make_generator(seed: int | None, num_draws: int, vocab_size: int) -> torch.Generator | None:
+    """A request's own generator, fast-forwarded past ``num_draws`` earlier samples.
+
+    Each sampling step consumes one exponential draw per vocabulary entry, so a request
+    resumed after preemption replays those draws and continues its random stream
+    exactly where it stopped.
+    """
+    if seed is None:
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    if num_draws:
+        scratch = torch.empty(vocab_size, dtype=torch.float32)
+        for _ in range(num_draws):
+            scratch.exponential_(generator=gen)
+    return gen
