@@ -83,9 +83,9 @@ class OutputProcessor:
             c.logprobs.extend(out.new_logprobs)
             c.cumulative_logprob += sum(lp.logprob for lp in out.new_logprobs)
         delta = sample.detokenizer.update(out.new_token_ids)
-        if delta.stop_string is not None:
+        if delta.is_stopped:
             c.text = sample.detokenizer.output_text
-            c.finish_reason, c.stop_reason = "stop", delta.stop_string
+            c.finish_reason, c.stop_reason = "stop", delta.stop_str
             return True
         if out.finish_reason is not None:
             sample.detokenizer.finish()

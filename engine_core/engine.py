@@ -1,0 +1,172 @@
+"""EngineCore: validates requests, expands n > 1, and runs schedule -> execute -> update."""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from config.schema import CacheConfig, SchedulerConfig
+from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
+from engine_core.request import Request
+from engine_core.sampling_params import InvalidRequestError, SamplingParams
+from engine_core.scheduler import Scheduler
+from engine_core.scheduler_output import SchedulerOutput
+
+
+class ModelExecutor(Protocol):
+    """Runs one planned step on the model and returns what it sampled.
+
+    Contract: apply ``finished_req_ids`` first, then new/cached request data, then
+    ``blocks_to_copy``, then the forward; a request samples only when its computed
+    tokens reach the end of its known tokens. A step may schedule zero tokens (it then
+    only carries finished ids or block copies).
+    """
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+@dataclass(slots=True)
+class EngineCoreStats:
+    """A snapshot of the engine core's gauges and counters."""
+
+    num_running: int
+    num_waiting: int
+    num_preemptions: int  # since start
+    kv_cache_usage: float  # fraction of usable blocks owned by requests
+    prefix_cache_queries: int  # tokens looked up, since start
+    prefix_cache_hits: int  # of those, tokens found cached
+
+
+def _has_work(so: SchedulerOutput) -> bool:
+    return so.total_num_scheduled_tokens > 0 or bool(so.finished_req_ids or so.blocks_to_copy)
+
+
+class EngineCore:
+    """The engine loop without I/O: add and abort requests, call ``step()``.
+
+    Aborts are answered on the next ``step()``: each aborted request yields one final
+    EngineCoreOutput with no tokens and ``finish_reason`` ABORT, even when nothing else
+    runs in that step.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 num_blocks: int, block_size: int, max_model_len: int,
+                 executor: ModelExecutor, eos_token_ids: Sequence[int] = (),
+                 vocab_size: int | None = None):
+        self.scheduler = Scheduler(scheduler_config, cache_config, num_blocks, block_size,
+                                   max_model_len)
+        self.executor = executor
+        self.max_model_len = max_model_len
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.vocab_size = vocab_size
+
+    def add_request(self, req_id: str, prompt_token_ids: Sequence[int],
+                    sampling_params: SamplingParams | None = None,
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    lora_id: int = 0) -> list[str]:
+        """Validate and queue a request; returns the engine ids of its samples.
+
+        n > 1 becomes n samples ``f"{i}_{req_id}"`` (their outputs carry
+        ``parent_req_id`` and ``index``); with a seed, sample i uses ``seed + i``.
+        Raises InvalidRequestError naming the offending field.
+        """
+        prompt = list(prompt_token_ids)
+        params = self.validate_request(prompt, sampling_params, cache_salt, lora_id)
+        self._validate_ids(req_id, params.n)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        if params.n == 1:
+            samples = [(req_id, params, None, 0)]
+        else:
+            samples = [(f"{i}_{req_id}", self._sample_params(params, i), req_id, i)
+                       for i in range(params.n)]
+        for sample_id, sample_params, parent_id, index in samples:
+            self.scheduler.add_request(Request(
+                req_id=sample_id, prompt_token_ids=prompt, sampling_params=sample_params,
+                arrival_time=arrival, eos_token_ids=self.eos_token_ids,
+                cache_salt=cache_salt, lora_id=lora_id, parent_req_id=parent_id,
+                index=index))
+        return [s[0] for s in samples]
+
+    def validate_request(self, prompt_token_ids: Sequence[int],
+                         sampling_params: SamplingParams | None = None,
+                         cache_salt: str | None = None, lora_id: int = 0) -> SamplingParams:
+        """Check a request without queuing it (ids aside); returns its parameters with
+        ``max_tokens`` filled in. Raises InvalidRequestError naming the field."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        params.validate()
+        prompt = self._validate_prompt(prompt_token_ids)
+        if not isinstance(lora_id, int) or isinstance(lora_id, bool) or lora_id < 0:
+            raise InvalidRequestError("lora_id must be a non-negative integer", "lora_id")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidRequestError("cache_salt must be a string", "cache_salt")
+        if params.max_tokens is None:
+            self.scheduler.check_request_fits(len(prompt), None)
+            params = params.clone(max_tokens=self.max_model_len - len(prompt))
+        self.scheduler.check_request_fits(len(prompt), params.max_tokens)
+        return params
+
+    @staticmethod
+    def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
+        seed = None if params.seed is None else params.seed + index
+        return params.clone(n=1, seed=seed)
+
+    def _validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise InvalidRequestError("prompt must contain at least one token", "prompt")
+        upper = self.vocab_size
+        for token in prompt:
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise InvalidRequestError(f"prompt token ids must be integers, got "
+                                          f"{token!r}", "prompt")
+            if token < 0 or (upper is not None and token >= upper):
+                raise InvalidRequestError(f"prompt token id {token} is outside the "
+                                          f"vocabulary [0, {upper})", "prompt")
+        return prompt
+
+    def _validate_ids(self, req_id: str, n: int) -> None:
+        if not isinstance(req_id, str) or not req_id:
+            raise InvalidRequestError("req_id must be a non-empty string", "req_id")
+        ids = [req_id] if n == 1 else [req_id] + [f"{i}_{req_id}" for i in range(n)]
+        for candidate in ids:
+            if self.scheduler.is_known_id(candidate):
+                raise InvalidRequestError(f"request id {candidate!r} is in use", "req_id")
+
+    def abort_request(self, req_ids: str | Iterable[str]) -> None:
+        """Abort requests (a parent id aborts all its samples); see the class doc."""
+        self.scheduler.finish_requests(req_ids)
+
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule one step, run it if there is anything to run, return the deltas."""
+        scheduler_output = self.scheduler.schedule()
+        if _has_work(scheduler_output):
+            runner_output = self.executor.execute_model(scheduler_output)
+        else:
+            runner_output = ModelRunnerOutput()
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while a request is live or an abort's final output is undelivered."""
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_pending_outputs()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget cached prefixes; False (nothing done) while any request holds blocks."""
+        return self.scheduler.kv_cache_manager.reset_prefix_cache()
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.scheduler.kv_cache_manager.usage
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    def get_stats(self) -> EngineCoreStats:
+        """Current gauges and cumulative counters."""
+        kv = self.scheduler.kv_cache_manager
+        return EngineCoreStats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            num_preemptions=self.scheduler.num_preemptions, kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_stats.num_query_tokens,
+            prefix_cache_hits=kv.prefix_cache_stats.num_hit_tokens)

@@ -1,0 +1,305 @@
+"""Continuous batching: which requests compute how many tokens in the next step.
+
+One counter drives progress. Each step grants a request up to
+``num_tokens - num_computed_tokens`` tokens under the shared token budget; prefill
+chunks, decodes, recompute after preemption and forked samples are the same case.
+``num_computed_tokens`` advances when a step is scheduled (the runner computes
+exactly what it is told), so a sampled token only has to be appended afterwards.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+
+from config.schema import CacheConfig, SchedulerConfig
+from engine_core.fork_tracker import ForkTracker
+from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput, TokenLogprobs
+from engine_core.request import Request, RequestStatus
+from engine_core.request_limits import RequestLimits
+from engine_core.request_queue import RequestQueue
+from engine_core.sampling_params import InvalidRequestError
+from engine_core.scheduler_output import SchedulerOutput
+from engine_core.step_plan import StepPlan
+from engine_core.stop_checker import check_stop
+
+
+class Scheduler:
+    """Plans steps (``schedule``) and applies their results (``update_from_output``).
+
+    No I/O. Waiting samples of an n > 1 request that hold forked blocks are "parked";
+    their blocks are reclaimed before any running request is preempted, so parked
+    blocks can never starve the requests that are making progress.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 num_blocks: int, block_size: int, max_model_len: int):
+        self.config = scheduler_config
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, block_size, max_model_len,
+            cache_config.enable_prefix_caching, cache_config.hash_algorithm)
+        self.requests: dict[str, Request] = {}
+        self.waiting = RequestQueue(scheduler_config.policy)
+        self.running: list[Request] = []
+        self.forks = ForkTracker(self.kv_cache_manager)
+        self.limits = RequestLimits(max_model_len, num_blocks, block_size,
+                                    scheduler_config.max_num_batched_tokens,
+                                    scheduler_config.enable_chunked_prefill)
+        self.num_preemptions = 0
+        self._children: dict[str, list[str]] = {}  # parent id -> live sample ids
+        self._runner_req_ids: set[str] = set()  # requests the runner holds state for
+        self._finished_req_ids: set[str] = set()
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self._arrival_seq = itertools.count()
+
+    # ---- admission ---------------------------------------------------------------
+
+    def check_request_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """Raise InvalidRequestError if such a request could never be served."""
+        self.limits.check(num_prompt_tokens, max_tokens)
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request (or park an n > 1 sample until it can fork)."""
+        if request.req_id in self.requests:
+            raise InvalidRequestError(f"request id {request.req_id!r} is in use", "req_id")
+        self.check_request_fits(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        if request.sampling_params.max_tokens is None:
+            request.sampling_params = request.sampling_params.clone(
+                max_tokens=self.max_model_len - request.num_prompt_tokens)
+        request.arrival_seq = next(self._arrival_seq)
+        self.requests[request.req_id] = request
+        if request.parent_req_id is not None:
+            self._children.setdefault(request.parent_req_id, []).append(request.req_id)
+        if not self.forks.add(request):
+            request.status = RequestStatus.WAITING
+            self.waiting.add(request)
+
+    def is_known_id(self, req_id: str) -> bool:
+        """Whether ``req_id`` names a live request or the parent of live samples."""
+        return req_id in self.requests or req_id in self._children
+
+    # ---- schedule ----------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step: running requests first, in order, then waiting ones."""
+        plan = StepPlan(token_budget=self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.has_preemption:
+            self._schedule_waiting(plan)
+        return self._make_output(plan)
+
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        return min(request.num_tokens - num_computed, budget,
+                   self.max_model_len - num_computed)
+
+    def _schedule_running(self, plan: StepPlan) -> None:
+        for request in list(self.running):
+            if plan.token_budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = self._num_new_tokens(request, request.num_computed_tokens,
+                                           plan.token_budget)
+            if num_new <= 0:
+                continue
+            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+                if self.forks.reclaim():
+                    continue
+                victim = self._pick_victim()
+                self._preempt(victim, plan)
+                if victim is request:
+                    break
+            if new_blocks is not None:
+                plan.schedule_cached(request, num_new, new_blocks.get_block_ids())
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running,
+                       key=lambda r: (r.priority, r.arrival_time, r.arrival_seq))
+        return max(self.running, key=lambda r: (r.arrival_time, r.arrival_seq))
+
+    def _preempt(self, victim: Request, plan: StepPlan) -> None:
+        plan.unschedule(victim)
+        plan.has_preemption = True
+        self.running.remove(victim)
+        # free() reads num_computed_tokens (start of step) before it is reset.
+        self.kv_cache_manager.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_front(victim)
+        self._forget_runner_state(victim)
+
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        while (self.waiting and plan.token_budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            if not self._admit(self.waiting.peek(), plan):
+                break
+
+    def _admit(self, request: Request, plan: StepPlan) -> bool:
+        kv = self.kv_cache_manager
+        is_lookup = request.num_computed_tokens == 0
+        hits, num_hit = kv.get_computed_blocks(request, record_stats=False) if is_lookup \
+            else (None, 0)
+        num_computed = request.num_computed_tokens + num_hit
+        remaining = request.num_tokens - num_computed
+        # Chunking off: a whole remainder must fit this step. A resumed request longer
+        # than the whole budget (prompts that long are rejected at add) is chunked.
+        if (not self.config.enable_chunked_prefill
+                and plan.token_budget < remaining <= self.config.max_num_batched_tokens):
+            return False
+        num_new = self._num_new_tokens(request, num_computed, plan.token_budget)
+        while kv.allocate_slots(request, num_new, num_hit, hits) is None:
+            if not self.forks.reclaim(keep=request):
+                return False
+        if self.waiting.pop() is not request:
+            raise RuntimeError("waiting queue changed order while admitting")
+        self.forks.unpark(request)
+        if is_lookup:
+            kv.record_prefix_query(request, num_hit)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed
+        request.num_computed_tokens = num_computed
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        plan.schedule_new(request, num_new)
+        return True
+
+    def _make_output(self, plan: StepPlan) -> SchedulerOutput:
+        kv = self.kv_cache_manager
+        out = plan.build(kv.get_block_ids, self._finished_req_ids,
+                         self.forks.take_block_copies())
+        self._finished_req_ids = set()
+        for req_id, num_tokens in out.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num_tokens
+        self._runner_req_ids.update(new.req_id for new in out.scheduled_new_reqs)
+        return out
+
+    # ---- update ------------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, apply stop rules, fork samples; return the deltas.
+
+        Final outputs of requests finished by ``finish_requests`` since the previous
+        call come first. Scheduled requests that sampled nothing emit nothing.
+        """
+        outputs, self._pending_outputs = self._pending_outputs, []
+        mro = model_runner_output
+        position = {req_id: i for i, req_id in enumerate(mro.req_ids)}
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue
+            # Fork before stop checks: the source may finish (and free) right now.
+            self._fork_waiters(request)
+            i = position.get(req_id)
+            if i is None or not mro.sampled_token_ids[i]:
+                continue
+            logprobs = mro.logprobs[i] if i < len(mro.logprobs) else None
+            outputs.append(self._append_tokens(request, mro.sampled_token_ids[i], logprobs))
+        return outputs
+
+    def _append_tokens(self, request: Request, token_ids: list[int],
+                       logprobs: list[TokenLogprobs] | None) -> EngineCoreOutput:
+        is_first = request.num_output_tokens == 0
+        new_ids: list[int] = []
+        status = None
+        for token_id in token_ids:
+            request.append_output_token_ids(token_id)
+            new_ids.append(token_id)
+            status = check_stop(request, token_id, self.max_model_len)
+            if status is not None:
+                break
+        out = self._make_delta(request, new_ids, is_first)
+        out.new_logprobs = logprobs[:len(new_ids)] if logprobs is not None else None
+        if status is not None:
+            self._finish(request, status)
+            out.finish_reason = request.finish_reason
+            out.stop_reason = request.stop_reason
+        return out
+
+    @staticmethod
+    def _make_delta(request: Request, new_ids: list[int], is_first: bool) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            req_id=request.req_id, new_token_ids=new_ids,
+            num_cached_tokens=max(request.num_cached_tokens, 0) if is_first else 0,
+            parent_req_id=request.parent_req_id, index=request.index)
+
+    def _fork_waiters(self, source: Request) -> None:
+        for child in reversed(self.forks.fork_ready(source)):
+            self.waiting.add_front(child)
+
+    # ---- finishing ---------------------------------------------------------------
+
+    def finish_requests(self, req_ids: str | Iterable[str],
+                        status: RequestStatus = RequestStatus.FINISHED_ABORTED) -> None:
+        """End requests from outside (abort, stop string). A parent id ends all samples.
+
+        Each ended request gets a final output (no tokens, its finish reason) from the
+        next ``update_from_output``. Unknown or finished ids are ignored.
+        """
+        if not status.is_finished:
+            raise ValueError(f"{status} is not a finished status")
+        if isinstance(req_ids, str):
+            req_ids = [req_ids]
+        for req_id in req_ids:
+            targets = [req_id] if req_id in self.requests else list(
+                self._children.get(req_id, ()))
+            for target in targets:
+                request = self.requests.get(target)
+                if request is None:
+                    continue
+                out = self._make_delta(request, [], request.num_output_tokens == 0)
+                self._finish(request, status)
+                out.finish_reason = request.finish_reason
+                self._pending_outputs.append(out)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(request)
+        promoted = self.forks.remove(request)
+        if promoted is not None:
+            self.waiting.add_front(promoted)
+        request.status = status
+        request.finish_reason = status.finish_reason
+        self.kv_cache_manager.free(request)
+        self._forget_runner_state(request)
+        del self.requests[request.req_id]
+        if request.parent_req_id is not None:
+            siblings = self._children[request.parent_req_id]
+            siblings.remove(request.req_id)
+            if not siblings:
+                del self._children[request.parent_req_id]
+
+    def _forget_runner_state(self, request: Request) -> None:
+        if request.req_id in self._runner_req_ids:
+            self._runner_req_ids.discard(request.req_id)
+            self._finished_req_ids.add(request.req_id)
+
+    # ---- counters ----------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Queued requests plus samples waiting to fork."""
+        return len(self.waiting) + self.forks.num_waiters
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def has_pending_outputs(self) -> bool:
+        """Final outputs of ended requests wait for the next ``update_from_output``."""
+        return bool(self._pending_outputs)

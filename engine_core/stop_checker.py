@@ -1,0 +1,26 @@
+"""The token-level stop rules applied after each sampled token.
+
+Stop strings are not checked here: they need detokenized text, which the API layer
+owns; it finishes the request through ``Scheduler.finish_requests``.
+"""
+from __future__ import annotations
+
+from engine_core.request import Request, RequestStatus
+
+
+def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestStatus | None:
+    """The finished status ``request`` reaches with ``token_id`` (already appended).
+
+    Order: a stop token id (recorded as ``stop_reason``), then EOS unless
+    ``ignore_eos`` (neither before ``min_tokens`` outputs), then the length limits.
+    """
+    params = request.sampling_params
+    if request.num_output_tokens >= params.min_tokens:
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None

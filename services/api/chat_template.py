@@ -1,0 +1,119 @@
+"""A model's Jinja chat template, compiled once and rendered in a sandbox.
+
+Templates come with model files, i.e. from strangers, so they run in Jinja's immutable
+sandbox (no attribute access to Python internals, no mutation of the passed messages).
+The environment mirrors what Hugging Face templates are written against: trim_blocks and
+lstrip_blocks on, loop controls, ``raise_exception(msg)``, ``strftime_now(fmt)`` and a
+``tojson`` that keeps non-ASCII text readable.
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """The messages are malformed, or the template refused or failed to render them."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(f"chat template rejected the conversation: {message}")
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
+    return env
+
+
+def _text_content(content: Any, index: int) -> str:
+    """A message's content as a string; OpenAI-style lists of text parts are joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not (isinstance(part, dict) and part.get("type") == "text"
+                    and isinstance(part.get("text"), str)):
+                raise ChatTemplateError(f"messages[{index}].content: only text parts "
+                                        f"({{'type': 'text', 'text': ...}}) are supported")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ChatTemplateError(f"messages[{index}].content must be a string or a list of text "
+                            f"parts, got {type(content).__name__}")
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check the conversation's shape and return copies with string contents.
+
+    Each message is a dict with a non-empty string ``role`` and a ``content`` that is a
+    string or a list of text parts; ``content`` may be null only on an assistant message
+    that carries ``tool_calls``. Other keys (name, tool_calls, tool_call_id) pass through.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise ChatTemplateError("messages must be a non-empty list of {'role', 'content'} dicts")
+    checked = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ChatTemplateError(f"messages[{index}] must be an object with 'role' and "
+                                    f"'content', got {type(message).__name__}")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ChatTemplateError(f"messages[{index}].role must be a non-empty string")
+        if "content" not in message:
+            raise ChatTemplateError(f"messages[{index}] has no 'content'")
+        content = message["content"]
+        if content is None and not (role == "assistant" and message.get("tool_calls")):
+            raise ChatTemplateError(f"messages[{index}].content is null; only an assistant "
+                                    f"message with tool_calls may omit its content")
+        copy = dict(message)
+        copy["content"] = "" if content is None else _text_content(content, index)
+        checked.append(copy)
+    return checked
+
+
+class ChatTemplate:
+    """One compiled chat template; :meth:`render` turns a conversation into prompt text."""
+
+    def __init__(self, source: str):
+        self.source = source
+        try:
+            self._template = _environment().from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ChatTemplateError(f"chat template does not compile: {exc}") from exc
+
+    def render(self, messages: Any, *, add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None, bos_token: str | None = None,
+               eos_token: str | None = None, **template_kwargs: Any) -> str:
+        """Render validated ``messages``; ``template_kwargs`` become extra template variables."""
+        checked = validate_messages(messages)
+        if tools is not None and not (isinstance(tools, list)
+                                      and all(isinstance(t, dict) for t in tools)):
+            raise ChatTemplateError("tools must be a list of objects")
+        try:
+            return self._template.render(
+                messages=checked, add_generation_prompt=add_generation_prompt, tools=tools,
+                bos_token=bos_token or "", eos_token=eos_token or "", **template_kwargs)
+        except ChatTemplateError:
+            raise
+        except Exception as exc:  # a template bug (TypeError, sandbox SecurityError, ...)
+            raise ChatTemplateError(f"chat template failed to render: "
+                                    f"{type(exc).__name__}: {exc}") from exc

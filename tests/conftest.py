@@ -1,0 +1,67 @@
+"""Shared factories: tiny random checkpoints, the default model, configured LLMs."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+TINY_VOCAB = 49152  # the default model's vocabulary, so its tokenizer serves tiny models
+
+
+def _save_tiny(path, kind: str, seed: int):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(seed)
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=1024, initializer_range=0.2, bos_token_id=1,
+                  eos_token_id=2)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(tie_word_embeddings=True, **common))
+    else:
+        model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=False, **common))
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A randomly initialised 2-layer Llama checkpoint folder (tied embeddings)."""
+    return _save_tiny(tmp_path_factory.mktemp("tiny_llama"), "llama", 0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory):
+    """A randomly initialised 2-layer Qwen2 checkpoint folder (q/k/v bias, untied head)."""
+    return _save_tiny(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2", 1)
+
+
+@pytest.fixture(scope="session")
+def default_model_path():
+    from worker.model_files import resolve_model_path
+    return resolve_model_path("default")
+
+
+@pytest.fixture
+def make_tiny_llm(tiny_llama_dir, default_model_path):
+    """Build an LLM on the tiny Llama with the default model's tokenizer."""
+    from folio import LLM
+
+    def make(**overrides):
+        kw = dict(model=str(tiny_llama_dir), tokenizer=str(default_model_path),
+                  dtype="float32", max_model_len=512, num_blocks=256, block_size=16)
+        kw.update(overrides)
+        kw.setdefault("observability.log_level", "warning")
+        return LLM(**kw)
+    return make
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _weight_cache_dir(tmp_path_factory):
+    """Dequantised GGUF weights are cached in a per-session folder, not ~/.cache."""
+    if "FOLIO_CACHE_DIR" not in os.environ:
+        os.environ["FOLIO_CACHE_DIR"] = str(tmp_path_factory.mktemp("folio_cache"))
+    yield

@@ -1,0 +1,113 @@
+"""A deterministic stand-in for the model runner, for engine-core tests.
+
+It follows the runner's contract exactly (drop finished state, take new/cached
+request data, copy blocks, compute the scheduled tokens, sample for requests whose
+computed tokens reached the end of their known tokens) and models the K/V cache:
+every slot it computes holds a fingerprint of the token prefix ending there (and the
+LoRA id), and before sampling it checks every slot the request attends to. Stale,
+overwritten or wrongly shared blocks therefore fail the test that produced them.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine_core.outputs import ModelRunnerOutput
+from engine_core.scheduler_output import SchedulerOutput
+
+TokenFn = Callable[[list[int]], int]
+
+
+def default_token_fn(tokens: list[int]) -> int:
+    """Next token from the sequence so far: deterministic, content-dependent."""
+    return (tokens[-1] * 7 + len(tokens) * 3 + 1) % 97
+
+
+@dataclass
+class _RunnerState:
+    tokens: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    lora_id: int
+    fingerprints: list[int] = field(default_factory=list)
+
+    def fingerprint(self, pos: int) -> int:
+        while len(self.fingerprints) <= pos:
+            prev = self.fingerprints[-1] if self.fingerprints else hash((-1, self.lora_id))
+            self.fingerprints.append(hash((prev, self.tokens[len(self.fingerprints)])))
+        return self.fingerprints[pos]
+
+
+class FakeExecutor:
+    """Implements ``ModelExecutor`` over a simulated paged K/V cache."""
+
+    def __init__(self, block_size: int, token_fn: TokenFn = default_token_fn):
+        self.block_size = block_size
+        self.token_fn = token_fn
+        self.states: dict[str, _RunnerState] = {}
+        self.kv: dict[int, dict[int, int]] = {}  # block id -> slot -> fingerprint
+        self.outputs: list[SchedulerOutput] = []
+        self.num_steps = 0
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.outputs.append(so)
+        self.num_steps += 1
+        for req_id in so.finished_req_ids:
+            self.states.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            assert new.req_id not in self.states, f"{new.req_id} sent as new twice"
+            self.states[new.req_id] = _RunnerState(list(new.token_ids), list(new.block_ids),
+                                                   new.num_computed_tokens, new.lora_id)
+        for cached in so.scheduled_cached_reqs:
+            state = self.states[cached.req_id]
+            assert state.num_computed_tokens == cached.num_computed_tokens, cached.req_id
+            state.block_ids.extend(cached.new_block_ids)
+        for copy in so.blocks_to_copy:
+            self.kv[copy.dst] = dict(self.kv.get(copy.src, {}))
+        self._write(so)
+        return self._sample(so)
+
+    def _write(self, so: SchedulerOutput) -> None:
+        bs = self.block_size
+        for req_id, num_tokens in so.num_scheduled_tokens.items():
+            state = self.states[req_id]
+            end = state.num_computed_tokens + num_tokens
+            assert end <= len(state.tokens), f"{req_id}: scheduled past its known tokens"
+            assert len(state.block_ids) * bs >= end, f"{req_id}: no slot for a token"
+            for pos in range(state.num_computed_tokens, end):
+                self.kv.setdefault(state.block_ids[pos // bs], {})[pos % bs] = \
+                    state.fingerprint(pos)
+            state.num_computed_tokens = end
+
+    def _sample(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        out = ModelRunnerOutput()
+        bs = self.block_size
+        for req_id in so.num_scheduled_tokens:
+            state = self.states[req_id]
+            if state.num_computed_tokens != len(state.tokens):
+                continue
+            for pos in range(state.num_computed_tokens):
+                got = self.kv.get(state.block_ids[pos // bs], {}).get(pos % bs)
+                assert got == state.fingerprint(pos), \
+                    f"{req_id}: wrong K/V at position {pos} (block {state.block_ids[pos // bs]})"
+            token = self.token_fn(state.tokens)
+            state.tokens.append(token)
+            out.req_ids.append(req_id)
+            out.sampled_token_ids.append([token])
+            out.logprobs.append(None)
+        return out
+
+
+def reference_output(prompt: list[int], max_tokens: int, token_fn: TokenFn = default_token_fn,
+                     stop_token_ids: tuple[int, ...] = (), max_model_len: int | None = None
+                     ) -> list[int]:
+    """What a request must generate, computed without any engine."""
+    tokens = list(prompt)
+    out: list[int] = []
+    while len(out) < max_tokens and (max_model_len is None or len(tokens) < max_model_len):
+        token = token_fn(tokens)
+        tokens.append(token)
+        out.append(token)
+        if token in stop_token_ids:
+            break
+    return out
