@@ -16,7 +16,7 @@ from torch import nn
 from kernels.paged_attention import PagedAttentionPlan, paged_attention
 from kernels.reshape_and_cache import reshape_and_cache
 from worker.models.architecture import ModelArchitecture
-from worker.models.rotary_embedding import RotaryEmbedding
+from worker.models.rotary_embedding import RotaryAngles, RotaryEmbedding
 
 
 @dataclass(slots=True)
@@ -48,7 +48,7 @@ class RMSNorm(nn.Module):
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention with a fused qkv projection."""
 
-    def __init__(self, arch: ModelArchitecture, rotary: RotaryEmbedding):
+    def __init__(self, arch: ModelArchitecture):
         super().__init__()
         self.num_heads = arch.num_attention_heads
         self.num_kv_heads = arch.num_key_value_heads
@@ -58,16 +58,15 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=arch.attention_bias)
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
-        self.rotary = rotary
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, positions, hidden, kv_cache, ctx: AttentionContext):
+    def forward(self, angles: RotaryAngles, hidden, kv_cache, ctx: AttentionContext):
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = angles.rotate(q), angles.rotate(k)
         reshape_and_cache(k, v, kv_cache, ctx.slot_mapping)
         out = paged_attention(q, k, v, kv_cache, ctx.plan, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -90,20 +89,20 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention + MLP block; the residual stream is carried between layers."""
 
-    def __init__(self, arch: ModelArchitecture, rotary: RotaryEmbedding):
+    def __init__(self, arch: ModelArchitecture):
         super().__init__()
-        self.self_attn = LlamaAttention(arch, rotary)
+        self.self_attn = LlamaAttention(arch)
         self.mlp = LlamaMLP(arch)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, kv_cache, ctx):
+    def forward(self, angles, hidden, residual, kv_cache, ctx):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, ctx)
+        hidden = self.self_attn(angles, hidden, kv_cache, ctx)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -115,9 +114,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta,
-                                 arch.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, rotary)
+        self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta,
+                                      arch.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch)
                                     for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(
@@ -127,9 +126,10 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
         """Hidden states ``[num_tokens, hidden]`` after the final norm."""
         hidden = self.embed_tokens(input_ids)
+        angles = self.rotary(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, ctx)
+            hidden, residual = layer(angles, hidden, residual, kv_cache, ctx)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -141,6 +141,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named weights in, fusing q/k/v and gate/up on the way."""
+        state_dict = dict(state_dict)  # entries are popped as they are placed
         params = dict(self.named_parameters())
         loaded = set()
 

@@ -43,13 +43,21 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
                              persistent=False)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor,
-                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``query`` ``[T, H, hd]`` and ``key`` ``[T, kvh, hd]`` by position."""
-        cos, sin = self.cos_sin[positions].to(query.dtype).unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> "RotaryAngles":
+        """The step's cos/sin rows, looked up once and shared by every layer."""
+        cos, sin = self.cos_sin.index_select(0, positions).to(dtype).unsqueeze(1).chunk(2, -1)
+        return RotaryAngles(cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+class RotaryAngles:
+    """cos/sin ``[T, 1, head_dim / 2]`` for one step's positions."""
+
+    __slots__ = ("cos", "sin")
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self.cos, self.sin = cos, sin
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[T, heads, head_dim]`` (rotate-half layout)."""
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * self.cos - x2 * self.sin, x2 * self.cos + x1 * self.sin), -1)
