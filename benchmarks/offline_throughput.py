@@ -40,6 +40,7 @@ def run_folio(reqs, args):
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=1024, enable_prefix_caching=False,
+              kv_cache_bytes=int(args.kv_cache_gib * 1024 ** 3),
               **({"observability.log_level": "warning"}))
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
@@ -99,6 +100,8 @@ def main():
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--hf-batch-size", type=int, default=32)
+    ap.add_argument("--kv-cache-gib", type=float, default=4.0,
+                    help="Folio's KV-cache budget (4 GiB holds the whole workload at once)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--json", default=None, help="write the result here")

@@ -105,6 +105,7 @@ class CacheConfig:
 
 
 DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,10 +114,14 @@ class WorkerConfig:
 
     device: str = _f("auto", "auto|cpu|cuda (auto: cuda when available)")
     num_threads: int = _f(0, "CPU threads for torch; 0 keeps torch's default (all cores)")
+    attention_backend: str = _f("auto", "auto (native CPU decode kernel when it builds, "
+                                "else torch) or torch (the reference everywhere)")
 
     def __post_init__(self):
         _check(self.device in DEVICES, "worker.device",
                f"must be one of {DEVICES}, got {self.device!r}")
+        _check(self.attention_backend in ATTENTION_BACKENDS, "worker.attention_backend",
+               f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _check(self.num_threads >= 0, "worker.num_threads", "must be non-negative")
 
 

@@ -36,12 +36,19 @@ class PrefillSegment:
 
 @dataclass(slots=True)
 class PagedAttentionPlan:
-    """Per-step gather plan of the torch reference (shared by every layer)."""
+    """Per-step attention plan, derived once and shared by every layer.
+
+    Decodes run either the native kernel (block tables read in place) or the torch
+    reference (padded gather indices and mask); prefill segments always run SDPA.
+    """
 
     num_decodes: int
-    decode_slots: torch.Tensor | None  # [num_decodes, max_len] slots (padded with slot 0)
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool, True = attend
+    decode_slots: torch.Tensor | None  # reference: [num_decodes, max_len] (padded: slot 0)
+    decode_mask: torch.Tensor | None  # reference: [num_decodes, 1, 1, max_len], True = attend
     prefills: list[PrefillSegment]
+    decode_block_tables: torch.Tensor | None = None  # native: [num_decodes, max_blocks]
+    decode_seq_lens: torch.Tensor | None = None  # native: [num_decodes]
+    sliding_window: int | None = None
 
 
 def _positions_to_slots(block_table: torch.Tensor, positions: torch.Tensor,
@@ -51,15 +58,23 @@ def _positions_to_slots(block_table: torch.Tensor, positions: torch.Tensor,
 
 
 def make_plan(query_start_loc: list[int], seq_lens: list[int], block_tables: torch.Tensor,
-              block_size: int, sliding_window: int | None = None) -> PagedAttentionPlan:
-    """Derive gather indices and masks for a batch ordered decodes first."""
+              block_size: int, sliding_window: int | None = None,
+              use_native_decode: bool = False) -> PagedAttentionPlan:
+    """Derive the step's plan for a batch ordered decodes first.
+
+    ``use_native_decode`` hands decodes to the native CPU kernel (see
+    kernels/cpu_paged_attention.py); the caller checks that it is available.
+    """
     num_reqs = len(seq_lens)
     query_lens = [query_start_loc[r + 1] - query_start_loc[r] for r in range(num_reqs)]
     num_decodes = 0
     while num_decodes < num_reqs and query_lens[num_decodes] == 1:
         num_decodes += 1
-    decode_slots = decode_mask = None
-    if num_decodes:
+    decode_slots = decode_mask = decode_tables = decode_lens = None
+    if num_decodes and use_native_decode:
+        decode_tables = block_tables[:num_decodes].contiguous()
+        decode_lens = torch.tensor(seq_lens[:num_decodes], dtype=torch.int64)
+    elif num_decodes:
         lens = torch.tensor(seq_lens[:num_decodes])
         max_len = int(lens.max())
         pos = torch.arange(max_len).expand(num_decodes, max_len)
@@ -85,7 +100,8 @@ def make_plan(query_start_loc: list[int], seq_lens: list[int], block_tables: tor
             if sliding_window is not None:
                 mask &= k_pos > q_pos - sliding_window
         prefills.append(PrefillSegment(start, end, seq_len, key_slots, mask))
-    return PagedAttentionPlan(num_decodes, decode_slots, decode_mask, prefills)
+    return PagedAttentionPlan(num_decodes, decode_slots, decode_mask, prefills,
+                              decode_tables, decode_lens, sliding_window)
 
 
 def _decode_attention(query, k_flat, v_flat, plan, scale):
@@ -105,16 +121,34 @@ def _decode_attention(query, k_flat, v_flat, plan, scale):
 
 
 def _prefill_attention(query, key, value, k_flat, v_flat, seg, scale):
-    q = query[seg.start:seg.end].transpose(0, 1)  # [H, q_len, hd]
+    # SDPA takes its fused CPU kernel only for 4-D inputs ([1, heads, len, hd]); 3-D
+    # inputs fall back to a path measured 7-10x slower here.
+    q = query[seg.start:seg.end].transpose(0, 1).unsqueeze(0)
     if seg.key_slots is None:
-        k = key[seg.start:seg.end].transpose(0, 1)
-        v = value[seg.start:seg.end].transpose(0, 1)
+        k = key[seg.start:seg.end]
+        v = value[seg.start:seg.end]
     else:
-        k = k_flat.index_select(0, seg.key_slots).transpose(0, 1)
-        v = v_flat.index_select(0, seg.key_slots).transpose(0, 1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=seg.mask, scale=scale,
-                                         is_causal=seg.mask is None, enable_gqa=True)
-    return out.transpose(0, 1)
+        k = k_flat.index_select(0, seg.key_slots)
+        v = v_flat.index_select(0, seg.key_slots)
+    out = F.scaled_dot_product_attention(q, k.transpose(0, 1).unsqueeze(0),
+                                         v.transpose(0, 1).unsqueeze(0), attn_mask=seg.mask,
+                                         scale=scale, is_causal=seg.mask is None,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def _flat(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    return flat[0], flat[1]
+
+
+def _prefills_into(out, query, key, value, kv_cache, plan, scale) -> torch.Tensor:
+    k_flat, v_flat = _flat(kv_cache)
+    for seg in plan.prefills:
+        out[seg.start:seg.end] = _prefill_attention(query, key, value, k_flat, v_flat, seg,
+                                                    scale)
+    return out
 
 
 def paged_attention_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -122,21 +156,27 @@ def paged_attention_reference(query: torch.Tensor, key: torch.Tensor, value: tor
                               scale: float) -> torch.Tensor:
     """The spec. ``query`` ``[T, H, hd]``; ``key``/``value`` ``[T, kvh, hd]`` are this
     step's (already in the cache too). Returns ``[T, H, hd]``."""
-    num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
-    k_flat = kv_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)
-    v_flat = kv_cache[1].view(num_blocks * block_size, num_kv_heads, head_dim)
     out = torch.empty_like(query)
     if plan.num_decodes:
+        k_flat, v_flat = _flat(kv_cache)
         out[:plan.num_decodes] = _decode_attention(query[:plan.num_decodes], k_flat, v_flat,
                                                    plan, scale)
-    for seg in plan.prefills:
-        out[seg.start:seg.end] = _prefill_attention(query, key, value, k_flat, v_flat, seg,
-                                                    scale)
-    return out
+    return _prefills_into(out, query, key, value, kv_cache, plan, scale)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_cache: torch.Tensor, plan: PagedAttentionPlan,
                     scale: float) -> torch.Tensor:
-    """Public entry point; dispatches on backend (the torch reference on the CPU)."""
-    return paged_attention_reference(query, key, value, kv_cache, plan, scale)
+    """Public entry point: decodes through the native kernel when the plan says so,
+    prefill segments (and every decode otherwise) through the torch reference."""
+    if plan.decode_block_tables is None:
+        return paged_attention_reference(query, key, value, kv_cache, plan, scale)
+    from kernels.cpu_paged_attention import paged_attention_decode
+    decoded = paged_attention_decode(query[:plan.num_decodes], kv_cache,
+                                     plan.decode_block_tables, plan.decode_seq_lens, scale,
+                                     plan.sliding_window)
+    if not plan.prefills:
+        return decoded
+    out = torch.empty_like(query)
+    out[:plan.num_decodes] = decoded
+    return _prefills_into(out, query, key, value, kv_cache, plan, scale)

@@ -58,10 +58,3 @@ def make_tiny_llm(tiny_llama_dir, default_model_path):
         return LLM(**kw)
     return make
 
-
-@pytest.fixture(scope="session", autouse=True)
-def _weight_cache_dir(tmp_path_factory):
-    """Dequantised GGUF weights are cached in a per-session folder, not ~/.cache."""
-    if "FOLIO_CACHE_DIR" not in os.environ:
-        os.environ["FOLIO_CACHE_DIR"] = str(tmp_path_factory.mktemp("folio_cache"))
-    yield

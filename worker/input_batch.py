@@ -33,7 +33,8 @@ class InputBatch:
 
 
 def build_input_batch(states: list[CachedRequestState], num_scheduled: list[int],
-                      block_size: int, sliding_window: int | None) -> InputBatch:
+                      block_size: int, sliding_window: int | None,
+                      use_native_decode: bool = False) -> InputBatch:
     """``states[i]`` computes ``num_scheduled[i]`` tokens from its num_computed_tokens."""
     order = sorted(range(len(states)), key=lambda i: num_scheduled[i] != 1)
     states = [states[i] for i in order]
@@ -60,7 +61,8 @@ def build_input_batch(states: list[CachedRequestState], num_scheduled: list[int]
     slot_mapping = (block_tables[req_index, positions // block_size] * block_size
                     + positions % block_size)
     block_tables_t = torch.from_numpy(block_tables)
-    plan = make_plan(query_start_loc, seq_lens, block_tables_t, block_size, sliding_window)
+    plan = make_plan(query_start_loc, seq_lens, block_tables_t, block_size, sliding_window,
+                     use_native_decode)
     flat_ids = [t for chunk in token_chunks for t in chunk]
     return InputBatch(
         input_ids=torch.tensor(flat_ids, dtype=torch.int64),

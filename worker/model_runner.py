@@ -31,6 +31,7 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, memory_config: MemoryConfig,
                  worker_config: WorkerConfig):
         self.model_config = model_config
+        self.worker_config = worker_config
         self.memory_config = memory_config
         if worker_config.num_threads:
             torch.set_num_threads(worker_config.num_threads)
@@ -51,6 +52,16 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         self.eos_token_ids = tuple(self.arch.eos_token_ids)
+        self.use_native_decode = self._pick_attention_backend()
+
+    def _pick_attention_backend(self) -> bool:
+        if self.worker_config.attention_backend == "torch" or self.device.type != "cpu":
+            return False
+        from kernels import cpu_paged_attention
+        native = cpu_paged_attention.is_available()
+        log.info("attention backend", decode="native-cpu" if native else "torch",
+                 build_or_load_seconds=round(cpu_paged_attention.load_seconds or 0.0, 2))
+        return native
 
     def _resolve_max_model_len(self) -> int:
         limit = self.arch.max_position_embeddings
@@ -106,7 +117,8 @@ class ModelRunner:
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         batch = build_input_batch(states, [so.num_scheduled_tokens[r] for r in req_ids],
-                                  self.block_size, self.arch.sliding_window)
+                                  self.block_size, self.arch.sliding_window,
+                                  self.use_native_decode)
         hidden = self.model(batch.input_ids.to(self.device), batch.positions.to(self.device),
                             self.kv_caches, batch.attn)
         for state, n in zip(states, (so.num_scheduled_tokens[r] for r in req_ids)):

@@ -1,0 +1,140 @@
+"""Decode attention: the torch reference (gather + SDPA) against the native CPU kernel.
+
+Shapes of the default model (SmolLM2-135M: 9 query heads, 3 kv heads, head_dim 64,
+30 layers), block size 16, every request a decode with a context drawn uniformly from
+±20 % of the nominal length, blocks scattered over a shuffled cache. Each timed call
+uses a different "layer" cache, rotating over enough of them (up to 30) that the keys
+and values do not sit in the last-level cache, as in a real forward pass. Reported:
+milliseconds per layer call (median over rounds) and the step-level plan cost of the
+reference (make_plan, paid once per step, not per layer).
+
+    .venv/bin/python benchmarks/decode_attention.py              # fp32, 2 threads
+    .venv/bin/python benchmarks/decode_attention.py --dtype bfloat16 --build-times
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import cpu_paged_attention as cpa  # noqa: E402
+from kernels.paged_attention import make_plan, paged_attention_reference  # noqa: E402
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 9, 3, 64, 16, 30
+LLC_BYTES = 33 << 20
+
+
+def make_batch(batch, context, dtype, seed=0):
+    rng = random.Random(seed)
+    seq_lens = [rng.randint(int(context * 0.8), int(context * 1.2)) for _ in range(batch)]
+    nblocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    num_blocks = sum(nblocks) + 1
+    perm = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1
+    tables = torch.zeros(batch, max(nblocks), dtype=torch.int64)
+    used = 0
+    for r, n in enumerate(nblocks):
+        tables[r, :n] = perm[used:used + n]
+        used += n
+    shape = (2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    layer_bytes = torch.Size(shape).numel() * torch.finfo(dtype).bits // 8
+    num_caches = max(2, min(NUM_LAYERS, -(-4 * LLC_BYTES // layer_bytes)))
+    caches = [torch.randn(shape, dtype=dtype) for _ in range(num_caches)]
+    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=dtype)
+    return query, caches, tables, torch.tensor(seq_lens, dtype=torch.int64)
+
+
+def time_per_call(fn, caches, rounds):
+    fn(caches[0])  # warm-up
+    per_call = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for cache in caches:
+            fn(cache)
+        per_call.append((time.perf_counter() - t0) / len(caches))
+    return statistics.median(per_call) * 1e3
+
+
+def bench(batch, context, dtype, rounds):
+    query, caches, tables, lens = make_batch(batch, context, dtype)
+    scale = HEAD_DIM ** -0.5
+    t0 = time.perf_counter()
+    plan = make_plan(list(range(batch + 1)), lens.tolist(), tables, BLOCK_SIZE)
+    plan_ms = (time.perf_counter() - t0) * 1e3
+    kv = torch.zeros(batch, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
+
+    def ref(cache):
+        return paged_attention_reference(query, kv, kv, cache, plan, scale)
+
+    def kernel(cache):
+        return cpa.paged_attention_decode(query, cache, tables, lens, scale)
+
+    err = (ref(caches[0]).float() - kernel(caches[0]).float()).abs().max().item()
+    ref_ms = time_per_call(ref, caches, rounds)
+    ker_ms = time_per_call(kernel, caches, rounds)
+    kv_mb = 2 * int(lens.sum()) * NUM_KV_HEADS * HEAD_DIM * query.element_size() / 2**20
+    return dict(batch=batch, context=context, kv_mb=kv_mb, plan_ms=plan_ms, ref_ms=ref_ms,
+                kernel_ms=ker_ms, speedup=ref_ms / ker_ms, max_err=err,
+                kernel_gbs=kv_mb / 1024 / (ker_ms / 1e3))
+
+
+_LOAD_SNIPPET = ("import time; t=time.perf_counter(); "
+                 "from kernels import cpu_paged_attention as c; ok=c.is_available(); "
+                 "print(ok, c.load_seconds, c.unavailable_reason())")
+
+
+def build_times():
+    """Cold build and warm load of the extension, each in a fresh interpreter."""
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, FOLIO_CACHE_DIR=tmp)
+        times = {}
+        for label in ("cold", "warm"):
+            out = subprocess.run([sys.executable, "-c", _LOAD_SNIPPET], cwd=root, env=env,
+                                 capture_output=True, text=True, check=True).stdout.split()
+            assert out[0] == "True", out
+            times[label] = float(out[1])
+    return times
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="float32",
+                    choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--build-times", action="store_true",
+                    help="also time a cold build and a warm load in subprocesses")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.build_times:
+        t = build_times()
+        print(f"extension build: cold {t['cold']:.1f} s, warm load {t['warm']:.2f} s")
+    assert cpa.is_available(), cpa.unavailable_reason()
+    dtype = getattr(torch, args.dtype)
+    print(f"decode attention, {args.dtype}, {args.threads} threads, H={NUM_HEADS} "
+          f"kvH={NUM_KV_HEADS} hd={HEAD_DIM} block={BLOCK_SIZE}; ms per layer call")
+    print(f"{'batch':>5} {'ctx':>4} {'KV MB':>7} {'reference':>10} {'kernel':>8} "
+          f"{'speedup':>7} {'kernel GB/s':>11} {'x30 layers ref/kernel':>22} "
+          f"{'plan/step':>9} {'max err':>8}")
+    for batch in (32, 128):
+        for context in (300, 700):
+            r = bench(batch, context, dtype, args.rounds)
+            print(f"{r['batch']:>5} {r['context']:>4} {r['kv_mb']:>7.1f} "
+                  f"{r['ref_ms']:>10.2f} {r['kernel_ms']:>8.2f} {r['speedup']:>6.1f}x "
+                  f"{r['kernel_gbs']:>11.1f} "
+                  f"{r['ref_ms'] * NUM_LAYERS:>11.0f} / {r['kernel_ms'] * NUM_LAYERS:<8.0f}"
+                  f" {r['plan_ms']:>9.2f} {r['max_err']:>8.1e}")
+
+
+if __name__ == "__main__":
+    main()

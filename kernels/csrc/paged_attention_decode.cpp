@@ -1,0 +1,525 @@
+// Fused decode attention over a paged KV cache, on the CPU.
+//
+// One query token per request ("decode"), its keys and values read in place from the
+// paged cache through the block table: no gather copy, no padding, each K and V row
+// fetched from memory once. Built at first use by kernels/cpu_paged_attention.py and
+// registered as the operator torch.ops.folio.paged_attention_decode.
+//
+// Cache indexing (kv_cache is contiguous [2, num_blocks, block_size, kv_heads, hd]):
+//
+//   kv_cache[0] = keys, kv_cache[1] = values            (values start plane_stride later)
+//
+//   block_tables[r] = [ 7 | 2 | 9 | ... ]    position p of request r lives in
+//                       |   |                block  b = block_tables[r][p / block_size]
+//                       v   v                offset o = p % block_size
+//   block 7: slot o=0 [ h0: hd | h1: hd | .. ]  <- one "slot row" = kv_heads * hd elements
+//            slot o=1 [ h0: hd | h1: hd | .. ]
+//            ...                                  a block's keys: one contiguous run of
+//                                                 block_size * kv_heads * hd elements
+//   element (b, o, kvh, i) = base + ((b * block_size + o) * kv_heads + kvh) * hd + i
+//
+// Work split: a work item is a request and a contiguous range of its kv heads (all of
+// them when the batch alone keeps the threads busy). The item's query heads (G = heads
+// / kv_heads per kv head, GQA: query head h uses kv head h / G) are processed together,
+// so every K and V row is loaded from memory once for all the heads that read it.
+// Threads pull items off a shared counter (requests are ragged).
+//
+// Softmax: single pass, online, per chunk of up to kChunk keys. For each query head g
+// we keep a running max m_g, running sum l_g = sum exp(s - m_g) and an unnormalised
+// accumulator acc_g = sum exp(s - m_g) * v. Per chunk and kv head: the K pass computes
+// the scores, the chunk max raises m_g (l_g and acc_g rescaled by exp(m_old - m_new)),
+// then the V pass adds exp(s - m_new) * v. Output = acc_g / l_g. All arithmetic is
+// float32 whatever the storage dtype (bf16/fp16 are widened as they are loaded).
+// Meanwhile the next chunk's rows are prefetched (see Prefetcher).
+//
+// Visible keys of request r: positions [start, seq_len) where start = 0, or, with a
+// sliding window W > 0, max(0, seq_len - W) (query at seq_len - 1 sees pos > seq_len-1-W).
+// Positions outside that range are never read, so a window also saves the bandwidth.
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#include "cpu_vec.h"
+
+namespace folio {
+namespace {
+
+using vec::kLanes;
+using vec::vf;
+
+constexpr int64_t kChunk = 64;  // keys per online-softmax step (a multiple of kLanes)
+static_assert(kChunk % kLanes == 0);
+
+// ---- prefetching ----------------------------------------------------------------------
+//
+// The hardware prefetchers cannot follow the block table's jumps, so while a chunk is
+// being computed the next chunk's K and V rows are requested (towards L2) by software,
+// a few slots at every step of the row loops (step() is called once per kLanes keys):
+// spread out like this the requests overlap the compute instead of stalling it.
+struct Prefetcher {
+  const char* keys = nullptr;  // the item's first K element, as bytes
+  int64_t plane_bytes = 0, span_bytes = 0;
+  const int64_t* offs = nullptr;  // element offsets of the slots still to request
+  int64_t left = 0, per_step = 0, elem = 0;
+
+  // Queue `count` slots (element offsets `offs`), spread over `steps` calls of step().
+  void reset(const int64_t* o, int64_t count, int64_t steps) {
+    offs = o;
+    left = count;
+    per_step = steps > 0 ? (count + steps - 1) / steps : count;
+  }
+  void step() {
+    const int64_t m = std::min(per_step, left);
+    for (int64_t i = 0; i < m; ++i) {
+      const char* k = keys + offs[i] * elem;
+      for (int64_t b = 0; b < span_bytes; b += 64) {  // every cache line of K and V
+        __builtin_prefetch(k + b, 0, 2);
+        __builtin_prefetch(k + plane_bytes + b, 0, 2);
+      }
+    }
+    offs += m;
+    left -= m;
+  }
+  void flush() {  // whatever the steps did not cover
+    per_step = left;
+    step();
+  }
+};
+
+// ---- per-chunk row operations ---------------------------------------------------------
+//
+// `rows[j]` points at key/value j of the chunk for one kv head (hd elements of the
+// cache's dtype T, read in place); `q` is [G, hd], `s`/`p` are [G, kChunk] (row stride
+// kChunk), `acc` is [G, hd], all float.
+
+// head_dim known at compile time and a multiple of the vector width: rows are NV
+// vectors, converted to float as they are loaded and held in registers.
+template <typename T, int64_t HD>
+struct RowOps {
+  static constexpr int NV = HD / kLanes;
+  // query heads whose accumulators stay in registers together in the V pass
+  static constexpr int GB = NV >= 8 ? 2 : (NV >= 4 ? 4 : 8);
+
+  // s[g, j] = q_g . k_j for j < n rounded up to kLanes (the padding repeats row n-1;
+  // the caller overwrites those scores). Keys go kLanes at a time, so their dot
+  // products are reduced together by one transpose_sum.
+  static void scores(const float* q, int64_t G, const T* const* rows, int64_t n, float* s,
+                     int64_t /*hd*/, float* /*tmp*/, Prefetcher& pf) {
+    for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+      pf.step();
+      const T* r[kLanes];
+      for (int t = 0; t < kLanes; ++t) r[t] = rows[std::min<int64_t>(j0 + t, n - 1)];
+      for (int64_t g = 0; g < G; ++g) {
+        vf qv[NV];
+#pragma GCC unroll 16
+        for (int u = 0; u < NV; ++u) qv[u] = vec::load(q + g * HD + u * kLanes);
+        vf d[kLanes];
+#pragma GCC unroll 16
+        for (int t = 0; t < kLanes; ++t) {
+          d[t] = qv[0] * vec::load(r[t]);
+#pragma GCC unroll 16
+          for (int u = 1; u < NV; ++u) d[t] += qv[u] * vec::load(r[t] + u * kLanes);
+        }
+        vec::store(s + g * kChunk + j0, vec::transpose_sum(d));
+      }
+    }
+  }
+
+  // acc_b += sum_j p[b, j] * v_j for B heads, accumulators in registers across j
+  template <int B>
+  static void accumulate_block(float* acc, const float* p, const T* const* rows, int64_t n,
+                               Prefetcher& pf) {
+    vf a[B][NV];
+#pragma GCC unroll 16
+    for (int b = 0; b < B; ++b)
+#pragma GCC unroll 16
+      for (int u = 0; u < NV; ++u) a[b][u] = vec::load(acc + b * HD + u * kLanes);
+    for (int64_t j = 0; j < n; ++j) {
+      if (j % kLanes == 0) pf.step();
+      vf v[NV];
+#pragma GCC unroll 16
+      for (int u = 0; u < NV; ++u) v[u] = vec::load(rows[j] + u * kLanes);
+#pragma GCC unroll 16
+      for (int b = 0; b < B; ++b) {
+        const vf pb = vec::splat(p[b * kChunk + j]);
+#pragma GCC unroll 16
+        for (int u = 0; u < NV; ++u) a[b][u] += pb * v[u];
+      }
+    }
+#pragma GCC unroll 16
+    for (int b = 0; b < B; ++b)
+#pragma GCC unroll 16
+      for (int u = 0; u < NV; ++u) vec::store(acc + b * HD + u * kLanes, a[b][u]);
+  }
+
+  template <int B = GB>
+  static void accumulate_rest(float* acc, const float* p, const T* const* rows, int64_t n,
+                              int64_t left, Prefetcher& pf) {
+    if constexpr (B > 0) {
+      if (left == B) return accumulate_block<B>(acc, p, rows, n, pf);
+      accumulate_rest<B - 1>(acc, p, rows, n, left, pf);
+    }
+  }
+
+  static void accumulate(float* acc, int64_t G, const float* p, const T* const* rows,
+                         int64_t n, int64_t /*hd*/, float* /*tmp*/, Prefetcher& pf) {
+    int64_t g = 0;
+    for (; g + GB <= G; g += GB)
+      accumulate_block<GB>(acc + g * HD, p + g * kChunk, rows, n, pf);
+    if (g < G) accumulate_rest(acc + g * HD, p + g * kChunk, rows, n, G - g, pf);
+  }
+};
+
+// Any head_dim: each row converted to float into `tmp` ([hd]), then plain loops over hd.
+template <typename T>
+struct RowOps<T, 0> {
+  static void scores(const float* q, int64_t G, const T* const* rows, int64_t n, float* s,
+                     int64_t hd, float* tmp, Prefetcher& pf) {
+    for (int64_t j = 0; j < n; ++j) {
+      if (j % kLanes == 0) pf.step();
+      const float* k = vec::row_as_float(rows[j], tmp, hd);
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * hd;
+        float d = 0.f;
+#pragma omp simd reduction(+ : d)
+        for (int64_t i = 0; i < hd; ++i) d += qg[i] * k[i];
+        s[g * kChunk + j] = d;
+      }
+    }
+  }
+
+  static void accumulate(float* acc, int64_t G, const float* p, const T* const* rows,
+                         int64_t n, int64_t hd, float* tmp, Prefetcher& pf) {
+    for (int64_t j = 0; j < n; ++j) {
+      if (j % kLanes == 0) pf.step();
+      const float* v = vec::row_as_float(rows[j], tmp, hd);
+      for (int64_t g = 0; g < G; ++g) {
+        float* a = acc + g * hd;
+        const float pj = p[g * kChunk + j];
+#pragma omp simd
+        for (int64_t i = 0; i < hd; ++i) a[i] += pj * v[i];
+      }
+    }
+  }
+};
+
+// Online-softmax step for one head over a chunk: s[0, n) are its scores (the row is
+// padded with -inf up to a multiple of kLanes). Raises the running max m, rescales l and
+// acc[0, hd) to it, turns s into exp(s - m) and adds their sum to l.
+inline void softmax_step(float* s, int64_t n, float& m, float& l, float* acc, int64_t hd) {
+  const int64_t nv = (n + kLanes - 1) / kLanes;
+  vf mx = vec::load(s);
+  for (int64_t v = 1; v < nv; ++v) {
+    const vf x = vec::load(s + v * kLanes);
+    mx = x > mx ? x : mx;
+  }
+  const float mc = vec::hmax(mx);
+  if (mc > m) {
+    // exp(-inf) = 0 on the first chunk, when acc and l are still zero anyway.
+    const float alpha = std::exp(m - mc);
+    l *= alpha;
+#pragma omp simd
+    for (int64_t i = 0; i < hd; ++i) acc[i] *= alpha;
+    m = mc;
+  }
+  vf sum = vec::splat(0.f);
+  const vf mv = vec::splat(m);
+  for (int64_t v = 0; v < nv; ++v) {
+    const vf e = vec::exp_nonpos(vec::load(s + v * kLanes) - mv);
+    vec::store(s + v * kLanes, e);
+    sum += e;
+  }
+  l += vec::hsum(sum);
+}
+
+// ---- the kernel ----------------------------------------------------------------------
+
+struct Shape {
+  int64_t num_decodes, num_heads, num_kv_heads, head_dim;
+  int64_t num_blocks, block_size, max_blocks;
+  int64_t group;         // query heads per kv head
+  int64_t slot_stride;   // elements between consecutive slots: kv_heads * hd
+  int64_t plane_stride;  // elements from kv_cache[0] to kv_cache[1]
+  int64_t kv_per_item;   // kv heads per work item (a contiguous range of them)
+  int64_t items_per_req;
+};
+
+// Per-thread working memory, reused across work items (nh = query heads of an item).
+struct Scratch {
+  std::vector<float> q, acc;       // [nh, hd] scaled queries, unnormalised outputs
+  std::vector<float> m, l;         // [nh] running max and sum
+  std::vector<float> s;            // [G, kChunk] scores, then probabilities
+  std::vector<float> tmp;          // [hd] one row converted to float
+  std::vector<float> keys;         // [kChunk, hd] a chunk's keys widened to float
+  std::vector<int64_t> offs;       // [kChunk] element offsets of a chunk's slot rows
+  std::vector<int64_t> next_offs;  // [kChunk] the same for the next chunk (prefetch)
+  explicit Scratch(const Shape& sh) {
+    const int64_t nh = sh.kv_per_item * sh.group;
+    q.resize(nh * sh.head_dim);
+    acc.resize(nh * sh.head_dim);
+    m.resize(nh);
+    l.resize(nh);
+    s.resize(sh.group * kChunk);
+    tmp.resize(sh.head_dim);
+    keys.resize(kChunk * sh.head_dim);
+    offs.resize(kChunk);
+    next_offs.resize(kChunk);
+  }
+};
+
+// Element offsets of a request's slot rows, position after position: the (block index,
+// offset) pair is carried along, so there is no division per key.
+struct SlotWalker {
+  const int64_t* table;
+  int64_t block_size, slot_stride, bi, off;
+  SlotWalker(const Shape& sh, const int64_t* table, int64_t pos)
+      : table(table), block_size(sh.block_size), slot_stride(sh.slot_stride),
+        bi(pos / sh.block_size), off(pos % sh.block_size) {}
+  int64_t next() {
+    const int64_t o = (table[bi] * block_size + off) * slot_stride;
+    if (++off == block_size) { off = 0; ++bi; }
+    return o;
+  }
+};
+
+// Pointers to the chunk's n rows of one kv head (`base` already offset to that head).
+template <typename T>
+inline void row_pointers(const T* base, const int64_t* offs, int64_t n, const T** rows) {
+  for (int64_t j = 0; j < n; ++j) rows[j] = base + offs[j];
+}
+
+// The K pass reads every key row once per query head of the group: for bf16/fp16 it
+// pays to widen the chunk's keys to float once, into `buf` ([n, HD]), and score those.
+template <int64_t HD, typename T>
+inline void widen_rows(const T* const* rows, int64_t n, float* buf, const float** out) {
+  for (int64_t j = 0; j < n; ++j) {
+    float* dst = buf + j * HD;
+#pragma GCC unroll 16
+    for (int64_t u = 0; u < HD / kLanes; ++u)
+      vec::store(dst + u * kLanes, vec::load(rows[j] + u * kLanes));
+    out[j] = dst;
+  }
+}
+
+// Attention of one work item: request d, kv heads [kv0, kv0 + nkv), i.e. query heads
+// [kv0*G, (kv0+nkv)*G). Per chunk of keys, kv head by kv head: K pass (scores of its G
+// query heads), softmax step, V pass. The item's kv heads are adjacent in a slot row,
+// so the chunk's slots are read as contiguous runs (whole blocks when nkv = kv_heads),
+// and each slot is fetched from memory once: later kv heads hit the cache.
+template <typename T, int64_t HD>
+void attend_one(const Shape& sh, int64_t d, int64_t kv0, int64_t nkv, const T* query,
+                const T* cache, const int64_t* table, int64_t seq_len, float scale,
+                int64_t window, T* out, Scratch& ws) {
+  using Ops = RowOps<T, HD>;
+  const int64_t hd = sh.head_dim;
+  const int64_t G = sh.group;
+  const int64_t nh = nkv * G;
+  const int64_t head0 = kv0 * G;
+  float* q = ws.q.data();
+  float* acc = ws.acc.data();
+  float* s = ws.s.data();
+  const T* rows[kChunk];
+  const float* keys[kChunk];  // rows widened to float (bf16/fp16 K pass)
+  float* tmp = ws.tmp.data();
+  int64_t* offs = ws.offs.data();
+
+  for (int64_t h = 0; h < nh; ++h) {
+    const float* qh = vec::row_as_float(query + (d * sh.num_heads + head0 + h) * hd, tmp, hd);
+    for (int64_t i = 0; i < hd; ++i) q[h * hd + i] = qh[i] * scale;
+    std::fill(acc + h * hd, acc + (h + 1) * hd, 0.f);
+    ws.m[h] = -std::numeric_limits<float>::infinity();
+    ws.l[h] = 0.f;
+  }
+
+  const int64_t start = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
+  SlotWalker walk(sh, table, start);
+  SlotWalker ahead(sh, table, start);  // runs one chunk in front of `walk`
+  int64_t* next_offs = ws.next_offs.data();
+  Prefetcher pf;
+  pf.keys = reinterpret_cast<const char*>(cache + kv0 * hd);
+  pf.plane_bytes = sh.plane_stride * static_cast<int64_t>(sizeof(T));
+  pf.span_bytes = nkv * hd * static_cast<int64_t>(sizeof(T));
+  pf.elem = sizeof(T);
+  // The first chunk has nothing to hide behind: request it up front.
+  const int64_t n0 = std::min(kChunk, seq_len - start);
+  for (int64_t j = 0; j < n0; ++j) next_offs[j] = ahead.next();
+  pf.reset(next_offs, n0, 0);
+  pf.flush();
+
+  for (int64_t p0 = start; p0 < seq_len; p0 += kChunk) {
+    const int64_t n = std::min(kChunk, seq_len - p0);
+    for (int64_t j = 0; j < n; ++j) offs[j] = walk.next();
+    const int64_t n_next = std::min(kChunk, std::max<int64_t>(0, seq_len - p0 - kChunk));
+    for (int64_t j = 0; j < n_next; ++j) next_offs[j] = ahead.next();
+    const int64_t steps_per_pass = (n + kLanes - 1) / kLanes;
+    pf.reset(next_offs, n_next, 2 * nkv * steps_per_pass);
+
+    const int64_t padded = steps_per_pass * kLanes;
+    for (int64_t kv = kv0; kv < kv0 + nkv; ++kv) {
+      const int64_t h = (kv - kv0) * G;  // first local query head of this kv head
+      row_pointers(cache + kv * hd, offs, n, rows);
+      if constexpr (HD > 0 && !std::is_same_v<T, float>) {
+        widen_rows<HD>(rows, n, ws.keys.data(), keys);
+        RowOps<float, HD>::scores(q + h * hd, G, keys, n, s, hd, tmp, pf);
+      } else {
+        Ops::scores(q + h * hd, G, rows, n, s, hd, tmp, pf);
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        std::fill(s + g * kChunk + n, s + g * kChunk + padded,
+                  -std::numeric_limits<float>::infinity());
+        softmax_step(s + g * kChunk, n, ws.m[h + g], ws.l[h + g], acc + (h + g) * hd, hd);
+      }
+      row_pointers(cache + sh.plane_stride + kv * hd, offs, n, rows);
+      Ops::accumulate(acc + h * hd, G, s, rows, n, hd, tmp, pf);
+    }
+    pf.flush();
+  }
+
+  for (int64_t h = 0; h < nh; ++h) {
+    // seq_len == 0 (nothing visible) leaves l = 0: write zeros rather than NaN.
+    const float inv = ws.l[h] > 0.f ? 1.f / ws.l[h] : 0.f;
+    T* o = out + (d * sh.num_heads + head0 + h) * hd;
+    const float* a = acc + h * hd;
+    for (int64_t i = 0; i < hd; ++i) o[i] = static_cast<T>(a[i] * inv);
+  }
+}
+
+template <typename T, int64_t HD>
+void run_decode(const Shape& sh, const T* query, const T* cache, const int64_t* tables,
+                const int64_t* seq_lens, float scale, int64_t window, T* out) {
+  const int64_t num_items = sh.num_decodes * sh.items_per_req;
+  // Requests are ragged, so a static split would leave a thread idle: each thread
+  // instead pulls the next work item off a shared counter.
+  std::atomic<int64_t> next{0};
+  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
+    Scratch ws(sh);
+    for (int64_t item = next.fetch_add(1); item < num_items; item = next.fetch_add(1)) {
+      const int64_t d = item / sh.items_per_req;
+      const int64_t kv0 = (item % sh.items_per_req) * sh.kv_per_item;
+      const int64_t nkv = std::min(sh.kv_per_item, sh.num_kv_heads - kv0);
+      attend_one<T, HD>(sh, d, kv0, nkv, query, cache, tables + d * sh.max_blocks,
+                        seq_lens[d], scale, window, out, ws);
+    }
+  });
+}
+
+// Work items per request: whole slot rows (all kv heads, the most contiguous reads)
+// when there are enough requests to keep every thread busy, else the kv heads are
+// split into ranges so that there are about kItemsPerThread items per thread.
+constexpr int64_t kItemsPerThread = 4;
+
+void choose_split(Shape& sh, int64_t num_threads) {
+  const int64_t want = kItemsPerThread * std::max<int64_t>(num_threads, 1);
+  const int64_t d = std::max<int64_t>(sh.num_decodes, 1);
+  const int64_t pieces = std::max<int64_t>(1, std::min(sh.num_kv_heads, (want + d - 1) / d));
+  sh.kv_per_item = std::max<int64_t>(1, (sh.num_kv_heads + pieces - 1) / pieces);
+  sh.items_per_req = (sh.num_kv_heads + sh.kv_per_item - 1) / sh.kv_per_item;
+}
+
+at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& kv_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                  double scale, std::optional<int64_t> sliding_window) {
+  TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() &&
+                  block_tables.device().is_cpu() && seq_lens.device().is_cpu(),
+              "paged_attention_decode: CPU tensors only");
+  TORCH_CHECK(query.dim() == 3, "query must be [num_decodes, num_heads, head_dim]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2,
+              "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(),
+              "query and kv_cache must share a dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "block_tables and seq_lens must be int64");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == query.size(0),
+              "block_tables must be [num_decodes, max_blocks]");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == query.size(0),
+              "seq_lens must be [num_decodes]");
+
+  Shape sh;
+  sh.num_decodes = query.size(0);
+  sh.num_heads = query.size(1);
+  sh.head_dim = query.size(2);
+  sh.num_blocks = kv_cache.size(1);
+  sh.block_size = kv_cache.size(2);
+  sh.num_kv_heads = kv_cache.size(3);
+  sh.max_blocks = block_tables.size(1);
+  TORCH_CHECK(kv_cache.size(4) == sh.head_dim, "query and kv_cache head_dim differ");
+  TORCH_CHECK(sh.num_kv_heads > 0 && sh.num_heads % sh.num_kv_heads == 0,
+              "num_heads must be a multiple of num_kv_heads");
+  sh.group = sh.num_heads / sh.num_kv_heads;
+  sh.slot_stride = sh.num_kv_heads * sh.head_dim;
+  sh.plane_stride = sh.num_blocks * sh.block_size * sh.slot_stride;
+  const int64_t window = sliding_window.has_value() ? *sliding_window : 0;
+  TORCH_CHECK(!sliding_window.has_value() || window > 0, "sliding_window must be positive");
+
+  const at::Tensor q = query.contiguous();
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor lens = seq_lens.contiguous();
+  at::Tensor out = at::empty_like(q);
+
+  // Validate what the kernel will dereference (cheap next to the attention itself):
+  // an out-of-range block id would otherwise read outside the cache.
+  const int64_t* tab = tables.data_ptr<int64_t>();
+  const int64_t* len = lens.data_ptr<int64_t>();
+  for (int64_t d = 0; d < sh.num_decodes; ++d) {
+    TORCH_CHECK(len[d] >= 0 && len[d] <= sh.max_blocks * sh.block_size,
+                "seq_lens[", d, "] = ", len[d], " does not fit its block table");
+    const int64_t start = window > 0 ? std::max<int64_t>(0, len[d] - window) : 0;
+    const int64_t first = start / sh.block_size;
+    const int64_t last = (len[d] + sh.block_size - 1) / sh.block_size;
+    for (int64_t b = first; b < last; ++b) {
+      const int64_t id = tab[d * sh.max_blocks + b];
+      TORCH_CHECK(id >= 0 && id < sh.num_blocks, "block_tables[", d, ", ", b, "] = ", id,
+                  " is outside the cache (", sh.num_blocks, " blocks)");
+    }
+  }
+  if (sh.num_decodes == 0 || sh.num_heads == 0 || sh.head_dim == 0) return out;
+
+  choose_split(sh, at::get_num_threads());
+  const float fscale = static_cast<float>(scale);
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_decode", [&] {
+        if constexpr (std::is_same_v<scalar_t, double>) {
+          TORCH_CHECK(false, "paged_attention_decode: float64 is not supported");
+        } else {
+          const scalar_t* qp = q.const_data_ptr<scalar_t>();
+          const scalar_t* cp = kv_cache.const_data_ptr<scalar_t>();
+          scalar_t* op = out.data_ptr<scalar_t>();
+          // Head dims that fill whole vectors get register-blocked row operations.
+          if (sh.head_dim == 64) {
+            run_decode<scalar_t, 64>(sh, qp, cp, tab, len, fscale, window, op);
+          } else if (sh.head_dim == 128) {
+            run_decode<scalar_t, 128>(sh, qp, cp, tab, len, fscale, window, op);
+          } else {
+            run_decode<scalar_t, 0>(sh, qp, cp, tab, len, fscale, window, op);
+          }
+        }
+      });
+  return out;
+}
+
+}  // namespace
+}  // namespace folio
+
+TORCH_LIBRARY_FRAGMENT(folio, m) {
+  m.def(
+      "paged_attention_decode(Tensor query, Tensor kv_cache, Tensor block_tables, "
+      "Tensor seq_lens, float scale, int? sliding_window=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(folio, CPU, m) {
+  m.impl("paged_attention_decode", &folio::paged_attention_decode);
+}

@@ -1,0 +1,182 @@
+"""The native CPU decode kernel against the torch reference (``paged_attention_reference``).
+
+The kernel must build here: if it cannot, these tests fail rather than skip, so a broken
+toolchain is noticed. ``FOLIO_DISABLE_CPU_KERNELS=1`` skips them on purpose.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import cpu_paged_attention as cpa
+from kernels.paged_attention import make_plan, paged_attention_reference
+
+if os.environ.get(cpa.DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no"):
+    pytest.skip(f"{cpa.DISABLE_ENV} is set", allow_module_level=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel_built():
+    assert cpa.is_available(), f"CPU kernel failed to build: {cpa.unavailable_reason()}"
+
+
+def make_decode_batch(seq_lens, block_size, num_heads, num_kv_heads, head_dim, dtype,
+                      seed=0, q_scale=1.0):
+    """Random cache with each request's blocks scattered over shuffled block ids.
+
+    Returns query [D, H, hd], kv_cache, block_tables [D, max_blocks] int64 (unused
+    entries point at block 0, the reference's padding) and seq_lens int64.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_req = [-(-n // block_size) for n in seq_lens]
+    max_blocks = max(max(blocks_per_req), 1) + 1  # a spare column, as the runner has
+    num_blocks = 1 + sum(blocks_per_req) + 2
+    cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int64)
+    used = 0
+    for r, n in enumerate(blocks_per_req):
+        tables[r, :n] = torch.tensor(perm[used:used + n], dtype=torch.int64)
+        used += n
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen) * q_scale
+    return (query.to(dtype), cache.to(dtype), tables,
+            torch.tensor(seq_lens, dtype=torch.int64))
+
+
+def reference(query, cache, tables, seq_lens, scale, window):
+    block_size, num_kv_heads, head_dim = cache.shape[2:]
+    n = query.shape[0]
+    plan = make_plan(list(range(n + 1)), seq_lens.tolist(), tables, block_size, window)
+    # all-decode batch: key/value are only read for prefills, any [T, kvh, hd] will do
+    kv = torch.zeros(n, num_kv_heads, head_dim, dtype=query.dtype)
+    return paged_attention_reference(query, kv, kv, cache, plan, scale)
+
+
+def lens_for(block_size):
+    """Ragged lengths: 1, exact block multiples, ragged tails, several 64-key chunks."""
+    return [1, block_size, 2 * block_size, 3, 37, 64, 65, 150, 200 + block_size - 1]
+
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("window", [None, 5, 70])
+@pytest.mark.parametrize("num_kv_heads,group", [(2, 1), (2, 3), (1, 8)])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_matches_reference(head_dim, block_size, num_kv_heads, group, window, dtype):
+    seq_lens = lens_for(block_size)
+    q, cache, tables, lens = make_decode_batch(seq_lens, block_size, num_kv_heads * group,
+                                               num_kv_heads, head_dim, dtype, q_scale=2.0)
+    scale = head_dim ** -0.5
+    out = cpa.paged_attention_decode(q, cache, tables, lens, scale, window)
+    assert out.dtype == dtype and out.shape == q.shape
+    ref = reference(q, cache, tables, lens, scale, window)
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
+    if dtype != torch.float32:
+        # Closer check: against float32 maths on the same (rounded) inputs, the kernel
+        # should be off by little more than the output's own rounding.
+        ref32 = reference(q.float(), cache.float(), tables, lens, scale, window)
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(out.float(), ref32, atol=2 * eps, rtol=2 * eps)
+
+
+@pytest.mark.parametrize("head_dim", [16, 80, 96])
+def test_other_head_dims(head_dim):
+    q, cache, tables, lens = make_decode_batch([1, 7, 33, 100], 4, 6, 2, head_dim,
+                                               torch.float32)
+    out = cpa.paged_attention_decode(q, cache, tables, lens, 0.3)
+    torch.testing.assert_close(out, reference(q, cache, tables, lens, 0.3, None),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_large_scores_rescale_across_chunks():
+    # Scores spanning tens of units: the running max moves between 64-key chunks.
+    q, cache, tables, lens = make_decode_batch([300, 129, 64], 16, 4, 4, 64,
+                                               torch.float32, q_scale=8.0)
+    idx = torch.arange(lens.max().item())
+    for r in range(len(lens)):  # keys growing along the sequence: later chunks win
+        for p in range(int(lens[r])):
+            b, o = tables[r, p // 16], p % 16
+            cache[0, b, o] *= 1 + idx[p] / 100
+    out = cpa.paged_attention_decode(q, cache, tables, lens, 0.125)
+    torch.testing.assert_close(out, reference(q, cache, tables, lens, 0.125, None),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_int32_tables_and_strided_query():
+    q, cache, tables, lens = make_decode_batch([5, 17, 40], 4, 8, 2, 64, torch.float32)
+    qkv = torch.cat([q, torch.randn_like(q)], dim=1)  # query as a view, as a fused qkv
+    q_view = qkv[:, :8]
+    assert not q_view.is_contiguous()
+    out = cpa.paged_attention_decode(q_view, cache, tables.to(torch.int32),
+                                     lens.to(torch.int32), 0.125)
+    torch.testing.assert_close(out, reference(q, cache, tables, lens, 0.125, None),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_same_result_for_any_thread_count():
+    q, cache, tables, lens = make_decode_batch([3, 70, 16, 129, 1, 40], 16, 9, 3, 64,
+                                               torch.float32)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpa.paged_attention_decode(q, cache, tables, lens, 0.125)
+        torch.set_num_threads(max(2, before))
+        many = cpa.paged_attention_decode(q, cache, tables, lens, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many)
+
+
+def test_rejects_block_ids_outside_the_cache():
+    q, cache, tables, lens = make_decode_batch([5, 9], 4, 2, 2, 64, torch.float32)
+    tables[1, 2] = cache.shape[1]  # the third block of a 9-token request
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpa.paged_attention_decode(q, cache, tables, lens, 0.125)
+    lens[0] = tables.shape[1] * 4 + 1
+    with pytest.raises(RuntimeError, match="does not fit"):
+        cpa.paged_attention_decode(q, cache, tables, lens, 0.125)
+
+
+def test_empty_batch():
+    q, cache, tables, lens = make_decode_batch([5], 4, 2, 2, 64, torch.float32)
+    out = cpa.paged_attention_decode(q[:0], cache, tables[:0], lens[:0], 0.125)
+    assert out.shape == (0, 2, 64)
+
+
+def test_disable_env_switches_the_kernel_off(monkeypatch):
+    monkeypatch.setenv(cpa.DISABLE_ENV, "1")
+    assert not cpa.is_available()
+    assert cpa.DISABLE_ENV in cpa.unavailable_reason()
+
+
+def test_build_failure_warns_once_and_reports_unavailable(tmp_path):
+    # A fresh build folder and a compiler that does not exist: the build must fail
+    # softly (one warning, False), and a direct call must raise, not crash.
+    script = (
+        "import torch\n"
+        "from kernels import cpu_paged_attention as c\n"
+        "assert not c.is_available() and not c.is_available()\n"
+        "assert 'nonexistent' in c.unavailable_reason()\n"
+        "try:\n"
+        "    c.paged_attention_decode(torch.zeros(1, 1, 8), torch.zeros(2, 1, 1, 1, 8),\n"
+        "                             torch.zeros(1, 1, dtype=torch.long),\n"
+        "                             torch.ones(1, dtype=torch.long), 1.0)\n"
+        "except RuntimeError as e:\n"
+        "    assert 'unavailable' in str(e)\n"
+        "else:\n"
+        "    raise AssertionError('no error')\n")
+    env = dict(os.environ, FOLIO_CACHE_DIR=str(tmp_path), CXX="/nonexistent/c++")
+    env.pop(cpa.DISABLE_ENV, None)
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    logs = proc.stdout + proc.stderr  # structlog, unconfigured, prints to stdout
+    assert proc.returncode == 0, logs
+    assert logs.count("native CPU paged attention unavailable") == 1, logs
