@@ -39,7 +39,6 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -468,7 +467,7 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& kv_
   const at::Tensor q = query.contiguous();
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor lens = seq_lens.contiguous();
-  at::Tensor out = at::empty_like(q);
+  at::Tensor out = q.new_empty(q.sizes());  // (new_empty: no extra ATen op header)
 
   // Validate what the kernel will dereference (cheap next to the attention itself):
   // an out-of-range block id would otherwise read outside the cache.

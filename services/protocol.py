@@ -1,0 +1,198 @@
+"""Every message that crosses a socket between Folio's services, and its wire format.
+
+A frame is one msgpack map ``{"v": PROTOCOL_VERSION, "type": <name>, "body": {...}}``.
+Bodies are the interface dataclasses themselves (SchedulerOutput, EngineCoreOutput...),
+turned into plain maps field by field and rebuilt from their type hints on decode, so
+a field of the wrong type, an unknown field, an unknown message type or another
+protocol version is a ProtocolError. Nothing here ever unpickles: a socket that accepts
+pickle hands code execution to whoever can write to it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import typing
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import msgpack
+
+from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
+from engine_core.sampling_params import SamplingParams
+from engine_core.scheduler_output import SchedulerOutput
+
+PROTOCOL_VERSION = 1
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message of this protocol version."""
+
+
+@dataclass(slots=True)
+class AddRequest:
+    """API → engine core: a tokenized request (its samples answer to ``client_id``)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    client_id: str
+    arrival_time: float
+    cache_salt: str | None = None
+    lora_id: int = 0
+    traceparent: str | None = None
+
+
+@dataclass(slots=True)
+class AbortRequest:
+    """API → engine core: stop these requests (client gone, stop string matched)."""
+
+    req_ids: list[str]
+
+
+@dataclass(slots=True)
+class OutputDelta:
+    """Engine core → API: one step's new tokens for requests this client owns."""
+
+    outputs: list[EngineCoreOutput]
+
+
+@dataclass(slots=True)
+class ExecuteStep:
+    """Engine core → worker: one step's plan (diffs only)."""
+
+    step_id: int
+    scheduler_output: SchedulerOutput
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Worker → engine core: what the step sampled."""
+
+    step_id: int
+    runner_output: ModelRunnerOutput
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Health:
+    """Either direction: liveness probe and its answer."""
+
+    ok: bool = True
+    detail: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Shutdown:
+    """Ask the peer to drain and exit."""
+
+    reason: str = ""
+
+
+MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
+    AddRequest, AbortRequest, OutputDelta, ExecuteStep, StepResult, Health, Shutdown)}
+
+
+def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple, set)):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    return value
+
+
+@lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _from_plain(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _from_plain(value, arg, where)
+            except ProtocolError:
+                pass
+        raise ProtocolError(f"{where}: {value!r} matches none of {tp}")
+    if origin in (list, set):
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where}: expected a list")
+        items = [_from_plain(v, args[0], f"{where}[]") for v in value]
+        return set(items) if origin is set else items
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where}: expected a list")
+        return tuple(_from_plain(v, args[0], f"{where}[]") for v in value)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{where}: expected a map")
+        return {_from_plain(k, args[0], where): _from_plain(v, args[1], f"{where}.{k}")
+                for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return _dataclass_from_plain(value, tp, where)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise ProtocolError(f"{where}: {value!r} is not a {tp.__name__}") from None
+    return _scalar(value, tp, where)
+
+
+def _scalar(value: Any, tp: type, where: str) -> Any:
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
+        raise ProtocolError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _dataclass_from_plain(value: Any, cls: type, where: str) -> Any:
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{where}: expected a map for {cls.__name__}")
+    hints = _hints(cls)
+    unknown = set(value) - set(hints)
+    if unknown:
+        raise ProtocolError(f"{where}: unknown fields {sorted(unknown)} for {cls.__name__}")
+    kwargs = {name: _from_plain(v, hints[name], f"{where}.{name}") for name, v in value.items()}
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:  # missing fields, or SamplingParams validation
+        raise ProtocolError(f"{where}: {e}") from None
+
+
+def encode(message: Any) -> bytes:
+    """One binary frame for ``message`` (an instance of a MESSAGE_TYPES class)."""
+    name = type(message).__name__
+    if MESSAGE_TYPES.get(name) is not type(message):
+        raise TypeError(f"not a protocol message: {type(message)!r}")
+    return msgpack.packb({"v": PROTOCOL_VERSION, "type": name, "body": _to_plain(message)},
+                         use_bin_type=True)
+
+
+def decode(frame: bytes) -> Any:
+    """The message in ``frame``; ProtocolError if it is not a valid one."""
+    try:
+        data = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types on garbage
+        raise ProtocolError(f"undecodable frame: {type(e).__name__}") from None
+    if not isinstance(data, dict) or set(data) != {"v", "type", "body"}:
+        raise ProtocolError("a frame is a map with exactly v, type and body")
+    if data["v"] != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {data['v']!r} != {PROTOCOL_VERSION}")
+    cls = MESSAGE_TYPES.get(data["type"]) if isinstance(data["type"], str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {data['type']!r}")
+    return _dataclass_from_plain(data["body"], cls, cls.__name__)

@@ -1,0 +1,69 @@
+"""Wire messages: every type round-trips; garbage is a ProtocolError, never a crash."""
+import msgpack
+import pytest
+
+from engine_core.outputs import EngineCoreOutput, FinishReason, ModelRunnerOutput, TokenLogprobs
+from engine_core.sampling_params import SamplingParams
+from engine_core.scheduler_output import (BlockCopy, CachedRequestData, NewRequestData,
+                                          SchedulerOutput)
+from services.protocol import (PROTOCOL_VERSION, AbortRequest, AddRequest, ExecuteStep,
+                               Health, OutputDelta, ProtocolError, Shutdown, StepResult,
+                               decode, encode)
+
+PARAMS = SamplingParams(temperature=0.7, top_k=5, stop=["\n\n"], seed=3, max_tokens=9,
+                        logprobs=2)
+LOGPROBS = TokenLogprobs(token_id=7, logprob=-0.25, rank=1, top_token_ids=[7, 8],
+                         top_logprobs=[-0.25, -1.5])
+
+MESSAGES = [
+    AddRequest("r1", [1, 2, 3], PARAMS, client_id="api-0", arrival_time=12.5,
+               cache_salt="tenant-a", traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01"),
+    AbortRequest(["r1", "0_r2"]),
+    OutputDelta([EngineCoreOutput("r1", [7], [LOGPROBS], FinishReason.STOP, stop_reason=2,
+                                  num_cached_tokens=16, parent_req_id="p", index=1),
+                 EngineCoreOutput("r2", [])]),
+    ExecuteStep(4, SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData("r1", [1, 2, 3], 3, PARAMS, [5, 6], 0)],
+        scheduled_cached_reqs=[CachedRequestData("r0", [9], 31)],
+        num_scheduled_tokens={"r1": 3, "r0": 1}, total_num_scheduled_tokens=4,
+        finished_req_ids={"gone"}, blocks_to_copy=[BlockCopy(5, 8)],
+        num_cached_tokens={"r1": 0})),
+    StepResult(4, ModelRunnerOutput(["r1"], [[7]], [[LOGPROBS]])),
+    StepResult(5, ModelRunnerOutput(), error="worker failed"),
+    Health(True, {"engine": "ok"}),
+    Shutdown("SIGTERM"),
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(message):
+    frame = encode(message)
+    assert isinstance(frame, bytes)
+    assert decode(frame) == message
+
+
+def frame(body, type_="AbortRequest", v=PROTOCOL_VERSION):
+    return msgpack.packb({"v": v, "type": type_, "body": body})
+
+
+@pytest.mark.parametrize("raw", [
+    b"\xc1garbage",  # not msgpack
+    msgpack.packb([1, 2, 3]),  # not a map
+    frame({"req_ids": ["a"]}, v=99),  # other version
+    frame({"req_ids": ["a"]}, type_="Pickle"),  # unknown type
+    frame({"req_ids": "a"}),  # wrong type
+    frame({"req_ids": [1]}),  # wrong element type
+    frame({"req_ids": ["a"], "extra": 1}),  # unknown field
+    frame({}),  # missing field
+    frame({"req_id": "r", "prompt_token_ids": [1], "client_id": "c", "arrival_time": 0,
+           "sampling_params": {"temperature": -1.0}}, type_="AddRequest"),  # invalid params
+    msgpack.packb({"v": 1, "type": "Shutdown", "body": {"reason": "x"}, "more": 1}),
+])
+def test_bad_frames_are_protocol_errors(raw):
+    with pytest.raises(ProtocolError):
+        decode(raw)
+
+
+def test_only_protocol_messages_encode():
+    with pytest.raises(TypeError):
+        encode(PARAMS)
