@@ -139,11 +139,26 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule one step, run it if there is anything to run, return the deltas."""
-        scheduler_output = self.scheduler.schedule()
-        if _has_work(scheduler_output):
+        scheduler_output = self.begin_step()
+        if self.needs_worker(scheduler_output):
             runner_output = self.executor.execute_model(scheduler_output)
         else:
             runner_output = ModelRunnerOutput()
+        return self.end_step(scheduler_output, runner_output)
+
+    def begin_step(self) -> SchedulerOutput:
+        """First half of ``step()``, for callers that run the model elsewhere (the
+        engine-core service awaits a remote worker between the two halves)."""
+        return self.scheduler.schedule()
+
+    @staticmethod
+    def needs_worker(scheduler_output: SchedulerOutput) -> bool:
+        """Whether the plan has anything for the worker (tokens, drops or copies)."""
+        return _has_work(scheduler_output)
+
+    def end_step(self, scheduler_output: SchedulerOutput,
+                 runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Second half of ``step()``: apply what the worker sampled; the deltas."""
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def has_unfinished_requests(self) -> bool:

@@ -76,6 +76,26 @@ class StepResult:
 
 
 @dataclass(slots=True)
+class RequestRejected:
+    """Engine core → API: a request failed validation (``param`` names the field)."""
+
+    req_id: str
+    message: str
+    param: str | None = None
+
+
+@dataclass(slots=True)
+class WorkerReady:
+    """Worker → engine core, first frame on the link: the KV pool and model limits."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: list[int]
+
+
+@dataclass(slots=True)
 class Health:
     """Either direction: liveness probe and its answer."""
 
@@ -91,7 +111,8 @@ class Shutdown:
 
 
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
-    AddRequest, AbortRequest, OutputDelta, ExecuteStep, StepResult, Health, Shutdown)}
+    AddRequest, AbortRequest, OutputDelta, RequestRejected, ExecuteStep, StepResult,
+    WorkerReady, Health, Shutdown)}
 
 
 def _to_plain(value: Any) -> Any:

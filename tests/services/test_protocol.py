@@ -7,8 +7,8 @@ from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler_output import (BlockCopy, CachedRequestData, NewRequestData,
                                           SchedulerOutput)
 from services.protocol import (PROTOCOL_VERSION, AbortRequest, AddRequest, ExecuteStep,
-                               Health, OutputDelta, ProtocolError, Shutdown, StepResult,
-                               decode, encode)
+                               Health, OutputDelta, ProtocolError, RequestRejected,
+                               Shutdown, StepResult, WorkerReady, decode, encode)
 
 PARAMS = SamplingParams(temperature=0.7, top_k=5, stop=["\n\n"], seed=3, max_tokens=9,
                         logprobs=2)
@@ -31,6 +31,9 @@ MESSAGES = [
     StepResult(4, ModelRunnerOutput(["r1"], [[7]], [[LOGPROBS]])),
     StepResult(5, ModelRunnerOutput(), error="worker failed"),
     Health(True, {"engine": "ok"}),
+    RequestRejected("r9", "max_tokens must be at least 1", "max_tokens"),
+    WorkerReady(num_blocks=100, block_size=16, max_model_len=2048, vocab_size=49152,
+                eos_token_ids=[2]),
     Shutdown("SIGTERM"),
 ]
 

@@ -1,0 +1,155 @@
+"""The engine-core service: EngineCore's step loop between API clients and the worker.
+
+    API processes ──AddRequest/AbortRequest──▶ inbox ─┐
+                                                      ▼ (applied between steps)
+                          begin_step() ──ExecuteStep──▶ worker
+                          end_step()   ◀──StepResult───
+    API processes ◀──OutputDelta (per owning client)──┘
+
+Adds and aborts are queued and applied between steps, never while a step is in
+flight, so the scheduler only ever sees a consistent world. The loop sleeps when no
+request is live and wakes on the next add.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import defaultdict
+
+from aiohttp import web
+
+from config.schema import FolioConfig
+from engine_core.engine import EngineCore
+from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
+from engine_core.sampling_params import InvalidRequestError
+from observability.logging import get_logger
+from services.protocol import (AbortRequest, AddRequest, Health, OutputDelta, RequestRejected,
+                               StepResult, WorkerReady)
+from services.transport import Endpoint, PeerLink, connect, websocket_route
+
+log = get_logger(__name__)
+
+
+class WorkerFailure(RuntimeError):
+    """The worker died, hung up or reported a failed step: the stack must stop."""
+
+
+class EngineCoreService:
+    """Wraps EngineCore (does not reimplement it); routes deltas to their API client."""
+
+    def __init__(self, config: FolioConfig, worker_endpoint: Endpoint):
+        self.config = config
+        self.worker_endpoint = worker_endpoint
+        self.engine: EngineCore | None = None
+        self._worker: PeerLink | None = None
+        self._worker_session = None
+        self._worker_replies: asyncio.Queue = asyncio.Queue()
+        self._inbox: list[tuple[PeerLink, object]] = []
+        self._wake = asyncio.Event()
+        self._owner: dict[str, PeerLink] = {}  # engine req id (sample id) → API link
+        self._step_ids = itertools.count()
+        self.failure: BaseException | None = None
+
+    async def connect_worker(self) -> WorkerReady:
+        """Open the worker link and build the EngineCore from its WorkerReady."""
+        self._worker, self._worker_session = await connect(self.worker_endpoint, "worker",
+                                                           timeout=300.0)
+        messages = self._worker.messages()
+        ready = await messages.__anext__()
+        if not isinstance(ready, WorkerReady):
+            raise WorkerFailure(f"worker's first frame was {type(ready).__name__}")
+        self.engine = EngineCore(self.config.scheduler, self.config.cache, ready.num_blocks,
+                                 ready.block_size, ready.max_model_len, executor=None,
+                                 eos_token_ids=ready.eos_token_ids,
+                                 vocab_size=ready.vocab_size)
+        asyncio.get_running_loop().create_task(self._read_worker(messages))
+        log.info("worker connected", num_blocks=ready.num_blocks,
+                 max_model_len=ready.max_model_len)
+        return ready
+
+    async def _read_worker(self, messages) -> None:
+        async for message in messages:
+            await self._worker_replies.put(message)
+        await self._worker_replies.put(None)  # the link closed
+
+    async def handle_client(self, link: PeerLink) -> None:
+        """One API process: queue its adds and aborts for the step loop."""
+        async for message in link.messages():
+            if isinstance(message, (AddRequest, AbortRequest)):
+                self._inbox.append((link, message))
+                self._wake.set()
+            elif isinstance(message, Health):
+                await link.send(Health(self.failure is None,
+                                       {"running": str(self._num_live())}))
+        aborted = [r for r, owner in self._owner.items() if owner is link]
+        if aborted:  # the API process went away: nobody will read these
+            self._inbox.append((link, AbortRequest(aborted)))
+            self._wake.set()
+
+    def _num_live(self) -> int:
+        return self.engine.scheduler.get_num_unfinished_requests() if self.engine else 0
+
+    async def _apply_inbox(self) -> None:
+        inbox, self._inbox = self._inbox, []
+        for link, message in inbox:
+            if isinstance(message, AbortRequest):
+                self.engine.abort_request(message.req_ids)
+                continue
+            try:
+                sample_ids = self.engine.add_request(
+                    message.req_id, message.prompt_token_ids, message.sampling_params,
+                    cache_salt=message.cache_salt, lora_id=message.lora_id)
+            except InvalidRequestError as e:
+                await link.send(RequestRejected(message.req_id, str(e), e.param))
+                continue
+            for sample_id in sample_ids:
+                self._owner[sample_id] = link
+
+    async def _execute(self, scheduler_output) -> ModelRunnerOutput:
+        step_id = next(self._step_ids)
+        from services.protocol import ExecuteStep
+        await self._worker.send(ExecuteStep(step_id, scheduler_output))
+        reply = await self._worker_replies.get()
+        if reply is None:
+            raise WorkerFailure("the worker closed its link")
+        if not isinstance(reply, StepResult) or reply.step_id != step_id:
+            raise WorkerFailure(f"unexpected worker reply {type(reply).__name__}")
+        if reply.error is not None:
+            raise WorkerFailure(f"worker step failed: {reply.error}")
+        return reply.runner_output
+
+    async def _route(self, outputs: list[EngineCoreOutput]) -> None:
+        by_link: dict[PeerLink, list[EngineCoreOutput]] = defaultdict(list)
+        for out in outputs:
+            link = self._owner.get(out.req_id)
+            if link is None:
+                continue
+            by_link[link].append(out)
+            if out.finished:
+                del self._owner[out.req_id]
+        for link, outs in by_link.items():
+            if not link.closed:
+                await link.send(OutputDelta(outs))
+
+    async def run(self) -> None:
+        """The step loop; returns only by raising WorkerFailure (or cancellation)."""
+        try:
+            while True:
+                if not self._inbox and not self.engine.has_unfinished_requests():
+                    self._wake.clear()
+                    await self._wake.wait()
+                await self._apply_inbox()
+                scheduler_output = self.engine.begin_step()
+                runner_output = (await self._execute(scheduler_output)
+                                 if self.engine.needs_worker(scheduler_output)
+                                 else ModelRunnerOutput())
+                await self._route(self.engine.end_step(scheduler_output, runner_output))
+                await asyncio.sleep(0)  # let client handlers queue their messages
+        except BaseException as e:
+            self.failure = e
+            raise
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/ws", websocket_route(self.handle_client, "api"))
+        return app

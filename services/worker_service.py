@@ -1,0 +1,74 @@
+"""The worker service: a ModelRunner behind a WebSocket, one step at a time.
+
+It loads the model and allocates the KV cache at start-up, then announces the pool
+with WorkerReady as the first frame of every engine-core link. Steps run in a
+thread so the event loop still answers health probes while the forward pass runs
+(torch releases the GIL inside its kernels).
+"""
+from __future__ import annotations
+
+import asyncio
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+
+from aiohttp import web
+
+from config.schema import FolioConfig
+from observability.logging import get_logger
+from services.protocol import ExecuteStep, Health, Shutdown, StepResult, WorkerReady
+from services.transport import PeerLink, websocket_route
+
+log = get_logger(__name__)
+
+
+class WorkerService:
+    """Owns one ModelRunner; serves ExecuteStep, Health and Shutdown."""
+
+    def __init__(self, config: FolioConfig):
+        from services.api.tokenizer import Tokenizer
+        from worker.model_files import resolve_model_path
+        from worker.model_runner import ModelRunner
+        self.runner = ModelRunner(config.model, config.memory, config.worker)
+        self.num_blocks = self.runner.initialize_kv_cache()
+        tokenizer_path = config.model.tokenizer or resolve_model_path(config.model.path)
+        tokenizer = Tokenizer.from_model_path(tokenizer_path)
+        self.ready = WorkerReady(
+            num_blocks=self.num_blocks, block_size=config.memory.block_size,
+            max_model_len=self.runner.max_model_len, vocab_size=self.runner.arch.vocab_size,
+            eos_token_ids=list(dict.fromkeys((*self.runner.eos_token_ids,
+                                              *tokenizer.eos_token_ids))))
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="folio-step")
+        self.shutdown_requested = asyncio.Event()
+        self.num_steps = 0
+
+    async def handle(self, link: PeerLink) -> None:
+        """Serve one engine-core link until it closes."""
+        await link.send(self.ready)
+        loop = asyncio.get_running_loop()
+        async for message in link.messages():
+            if isinstance(message, ExecuteStep):
+                await link.send(await loop.run_in_executor(self._pool, self._execute, message))
+            elif isinstance(message, Health):
+                await link.send(Health(True, {"steps": str(self.num_steps)}))
+            elif isinstance(message, Shutdown):
+                log.info("shutdown requested", reason=message.reason)
+                self.shutdown_requested.set()
+                return
+            else:
+                log.warning("unexpected message for the worker", type=type(message).__name__)
+
+    def _execute(self, message: ExecuteStep) -> StepResult:
+        try:
+            output = self.runner.execute_model(message.scheduler_output)
+        except Exception as e:  # reported to the engine core, which fails loudly
+            log.error("step failed", step_id=message.step_id, error=repr(e),
+                      traceback=traceback.format_exc())
+            from engine_core.outputs import ModelRunnerOutput
+            return StepResult(message.step_id, ModelRunnerOutput(), error=repr(e))
+        self.num_steps += 1
+        return StepResult(message.step_id, output)
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/ws", websocket_route(self.handle, "engine-core"))
+        return app

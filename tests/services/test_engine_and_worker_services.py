@@ -1,0 +1,83 @@
+"""Engine-core and worker services over real unix sockets, driven like an API process."""
+import asyncio
+import time
+
+from config import load_config
+from engine_core.sampling_params import SamplingParams
+from services.engine_core_service import EngineCoreService
+from services.protocol import AbortRequest, AddRequest, OutputDelta, RequestRejected
+from services.transport import Endpoint, connect, start_site
+from services.worker_service import WorkerService
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+def tiny_config(tiny_llama_dir, default_model_path):
+    return load_config(overrides={
+        "model": str(tiny_llama_dir), "tokenizer": str(default_model_path),
+        "dtype": "float32", "max_model_len": 256, "num_blocks": 128,
+        "observability.log_level": "warning"}, use_env=False)
+
+
+async def _stack(config, tmp_path):
+    worker = WorkerService(config)
+    worker_ep = Endpoint(unix_path=str(tmp_path / "worker.sock"))
+    engine_ep = Endpoint(unix_path=str(tmp_path / "engine.sock"))
+    runners = [await start_site(worker.app(), worker_ep)]
+    service = EngineCoreService(config, worker_ep)
+    await service.connect_worker()
+    runners.append(await start_site(service.app(), engine_ep))
+    loop_task = asyncio.get_running_loop().create_task(service.run())
+    return service, engine_ep, runners, loop_task
+
+
+async def _collect(link, want_finished):
+    tokens, finished, rejected = {}, set(), {}
+    async for message in link.messages():
+        if isinstance(message, RequestRejected):
+            rejected[message.req_id] = message.param
+            finished.add(message.req_id)
+        elif isinstance(message, OutputDelta):
+            for out in message.outputs:
+                tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+                if out.finished:
+                    finished.add(out.req_id)
+        if finished >= want_finished:
+            return tokens, rejected
+
+
+def test_requests_flow_through_both_services(tiny_llama_dir, default_model_path, tmp_path):
+    from folio import LLM
+    config = tiny_config(tiny_llama_dir, default_model_path)
+    prompts = {"a": [5, 6, 7, 8], "b": list(range(100, 140)), "c": [9] * 20}
+    offline = LLM(config)
+    expected = {k: offline.generate({"prompt_token_ids": p}, GREEDY,
+                                    use_tqdm=False)[0].outputs[0].token_ids
+                for k, p in prompts.items()}
+
+    async def main():
+        service, engine_ep, runners, loop_task = await _stack(config, tmp_path)
+        try:
+            link, session = await connect(engine_ep, "api-test")
+            for req_id, prompt in prompts.items():
+                await link.send(AddRequest(req_id, prompt, GREEDY, "api-0", time.time()))
+            await link.send(AddRequest("bad", [1, 2], GREEDY.clone(max_tokens=10_000),
+                                       "api-0", time.time()))
+            tokens, rejected = await asyncio.wait_for(
+                _collect(link, set(prompts) | {"bad"}), 60)
+            assert rejected == {"bad": "max_tokens"}
+            assert tokens == expected
+            # an abort mid-flight frees everything
+            await link.send(AddRequest("long", [3, 4, 5], GREEDY.clone(max_tokens=200),
+                                       "api-0", time.time()))
+            await link.send(AbortRequest(["long"]))
+            await asyncio.wait_for(_collect(link, {"long"}), 60)
+            kv = service.engine.scheduler.kv_cache_manager
+            assert kv.usage == 0.0 and not service.engine.has_unfinished_requests()
+            await link.close()
+            await session.close()
+        finally:
+            loop_task.cancel()
+            for r in runners:
+                await r.cleanup()
+    asyncio.run(main())
