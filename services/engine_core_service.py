@@ -149,6 +149,13 @@ class EngineCoreService:
             self.failure = e
             raise
 
+    async def close(self) -> None:
+        """Close the worker link (the client links close with the site)."""
+        if self._worker is not None:
+            await self._worker.close()
+        if self._worker_session is not None:
+            await self._worker_session.close()
+
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/ws", websocket_route(self.handle_client, "api"))

@@ -104,9 +104,13 @@ def websocket_route(handler: PeerHandler, name: str) -> Callable:
     return route
 
 
-async def start_site(app: web.Application, endpoint: Endpoint) -> web.AppRunner:
-    """Serve ``app`` on ``endpoint``; a unix socket is created with mode 0600."""
-    runner = web.AppRunner(app, access_log=None)
+async def start_site(app: web.Application, endpoint: Endpoint,
+                     shutdown_timeout: float = 2.0) -> web.AppRunner:
+    """Serve ``app`` on ``endpoint``; a unix socket is created with mode 0600.
+
+    ``shutdown_timeout`` bounds how long cleanup waits for open handlers (a peer's
+    WebSocket stays open for the life of the link)."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     if endpoint.unix_path is not None:
         path = Path(endpoint.unix_path)

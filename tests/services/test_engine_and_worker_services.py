@@ -78,6 +78,7 @@ def test_requests_flow_through_both_services(tiny_llama_dir, default_model_path,
             await session.close()
         finally:
             loop_task.cancel()
+            await service.close()
             for r in runners:
                 await r.cleanup()
     asyncio.run(main())

@@ -1,0 +1,259 @@
+"""The OpenAI-compatible HTTP API (aiohttp): completions, chat, models, tokenize, health.
+
+Each request is validated and tokenized here, sent to the engine core, and its deltas
+are detokenized incrementally (stop strings trimmed across deltas) into JSON or SSE.
+A client that disconnects aborts its request so its KV blocks are freed.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from engine_core.outputs import EngineCoreOutput
+from services.api.chat_template import ChatTemplateError
+from services.api.detokenizer import IncrementalDetokenizer
+from services.api.engine_client import EngineClient, EngineDead
+from services.api.openai_protocol import (APIError, bad, check_stream_options,
+                                          completion_prompt, sampling_params_from)
+from services.api.response_format import (chat_chunk, chat_response, completion_chunk,
+                                          completion_response, usage)
+from services.api.tokenizer import Tokenizer
+from services.protocol import RequestRejected
+
+VERSION = "0.1.0"
+_ids = itertools.count()
+
+
+@dataclass(slots=True)
+class SampleDelta:
+    """New text of one sample since the last delta, and its end if it ended."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class APIServer:
+    """Routes of one API process, sharing one EngineClient and one Tokenizer."""
+
+    def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str,
+                 max_model_len: int):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.model_name, self.max_model_len = model_name, max_model_len
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors], client_max_size=4 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/version", self.version)
+        return app
+
+    @web.middleware
+    async def _errors(self, request, handler):
+        try:
+            return await handler(request)
+        except APIError as e:
+            return web.json_response(e.body(), status=e.status)
+        except web.HTTPException as e:
+            err = APIError(e.status, e.reason or "error", type="invalid_request_error")
+            return web.json_response(err.body(), status=e.status)
+        except EngineDead as e:
+            return web.json_response(APIError(503, str(e), "service_unavailable").body(),
+                                     status=503)
+
+    async def _body(self, request) -> dict:
+        try:
+            body = json.loads(await request.read())
+        except (ValueError, UnicodeDecodeError):
+            raise bad("the body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise bad("the body must be a JSON object")
+        model = body.get("model")
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"model {str(model)[:100]!r} does not exist", "not_found_error",
+                           "model", "model_not_found")
+        return body
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        if len(ids) >= self.max_model_len:
+            raise bad(f"the prompt has {len(ids)} tokens; this model's maximum context is "
+                      f"{self.max_model_len}", "prompt")
+        if any(t < 0 or t >= self.tokenizer.vocab_size for t in ids):
+            raise bad("prompt token ids must lie in the vocabulary", "prompt")
+        return ids
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        include_usage = check_stream_options(body)
+        params = sampling_params_from(body, chat=False)
+        prompt = completion_prompt(body)
+        ids = self._check_ids(self.tokenizer.encode(prompt) if isinstance(prompt, str)
+                              else prompt)
+        req_id = f"cmpl-{uuid.uuid4().hex}"
+        fmt = dict(req_id=req_id, model=self.model_name, created=int(time.time()))
+        if body.get("stream"):
+            return await self._stream(request, req_id, ids, params, include_usage,
+                                      lambda d: completion_chunk(d, self.tokenizer, **fmt),
+                                      first=None, fmt=fmt, chat=False)
+        samples = await self._collect(request, req_id, ids, params)
+        return web.json_response(completion_response(samples, len(ids), self.tokenizer, **fmt))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        include_usage = check_stream_options(body)
+        params = sampling_params_from(body, chat=True)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise bad("'messages' must be a non-empty list", "messages")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=body.get("add_generation_prompt", True))
+        except ChatTemplateError as e:
+            raise bad(str(e), "messages") from None
+        ids = self._check_ids(self.tokenizer.encode(text, add_special_tokens=False))
+        req_id = f"chatcmpl-{uuid.uuid4().hex}"
+        fmt = dict(req_id=req_id, model=self.model_name, created=int(time.time()))
+        if body.get("stream"):
+            return await self._stream(request, req_id, ids, params, include_usage,
+                                      lambda d: chat_chunk(d, self.tokenizer, **fmt),
+                                      first=True, fmt=fmt, chat=True)
+        samples = await self._collect(request, req_id, ids, params)
+        return web.json_response(chat_response(samples, len(ids), self.tokenizer, **fmt))
+
+    async def _deltas(self, request, req_id, ids, params):
+        """Yield SampleDelta objects until every sample has finished."""
+        sample_ids = [req_id] if params.n == 1 else [f"{i}_{req_id}" for i in range(params.n)]
+        detoks = [IncrementalDetokenizer(self.tokenizer, ids,
+                                         skip_special_tokens=params.skip_special_tokens,
+                                         stop=params.stop,
+                                         include_stop_str_in_output=params.include_stop_str_in_output)
+                  for _ in sample_ids]
+        live = set(range(len(sample_ids)))
+        queue = await self.engine.add(req_id, ids, params)
+        try:
+            while live:
+                item = await queue.get()
+                if item is None:
+                    raise EngineDead("the engine core went away")
+                if isinstance(item, RequestRejected):
+                    raise bad(item.message, item.param)
+                delta = self._advance(item, detoks[item.index], live)
+                if delta.finish_reason == "stop" and item.finish_reason is None:
+                    await self.engine.abort([sample_ids[item.index]])  # stop string
+                yield delta
+        finally:
+            self.engine.forget(req_id)
+            if live:  # client went away or an error: free the engine's blocks
+                await self.engine.abort([sample_ids[i] for i in live])
+
+    @staticmethod
+    def _advance(out: EngineCoreOutput, detok, live: set[int]) -> SampleDelta:
+        if out.index not in live:
+            return SampleDelta(out.index, "", [])
+        d = detok.update(out.new_token_ids)
+        text, finish = d.text, None
+        if d.is_stopped:
+            finish = "stop"
+        elif out.finish_reason is not None:
+            text += detok.finish().text
+            finish = str(out.finish_reason)
+        if finish is not None:
+            live.discard(out.index)
+        return SampleDelta(out.index, text, list(out.new_token_ids), out.new_logprobs or [],
+                           finish)
+
+    async def _collect(self, request, req_id, ids, params) -> list[SampleDelta]:
+        samples = [SampleDelta(i, "", []) for i in range(params.n)]
+        async for d in self._deltas(request, req_id, ids, params):
+            s = samples[d.index]
+            s.text += d.text
+            s.token_ids += d.token_ids
+            s.logprobs += d.logprobs
+            s.finish_reason = d.finish_reason or s.finish_reason
+            if request.transport is None or request.transport.is_closing():
+                break  # the client hung up: the generator's finally aborts
+        return samples
+
+    async def _stream(self, request, req_id, ids, params, include_usage, render, first,
+                      fmt, chat) -> web.StreamResponse:
+        gen = self._deltas(request, req_id, ids, params)
+        first_delta = await gen.__anext__()  # rejections become HTTP errors, not SSE
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        num_tokens = 0
+        try:
+            if chat:
+                for i in range(params.n):
+                    await _sse(resp, chat_chunk(SampleDelta(i, "", []), self.tokenizer,
+                                                role=True, **fmt))
+            delta = first_delta
+            while True:
+                num_tokens += len(delta.token_ids)
+                if delta.text or delta.finish_reason or delta.token_ids:
+                    await _sse(resp, render(delta))
+                delta = await gen.__anext__()
+        except StopAsyncIteration:
+            pass
+        except (ConnectionResetError, EngineDead) as e:
+            await gen.aclose()
+            if isinstance(e, EngineDead) and not (request.transport is None):
+                await _sse(resp, APIError(503, str(e), "service_unavailable").body())
+            return resp
+        if include_usage:
+            await _sse(resp, {"id": req_id, "object": "chat.completion.chunk" if chat
+                              else "text_completion", "created": fmt["created"],
+                              "model": self.model_name, "choices": [],
+                              "usage": usage(len(ids), num_tokens)})
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def models(self, request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": 0, "owned_by": "folio",
+            "max_model_len": self.max_model_len}]})
+
+    async def tokenize(self, request) -> web.Response:
+        body = await self._body(request)
+        if "messages" in body:
+            text = self.tokenizer.apply_chat_template(body["messages"])
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise bad("'prompt' must be a string", "prompt")
+            ids = self.tokenizer.encode(prompt, body.get("add_special_tokens", True) is True)
+        return web.json_response({"tokens": ids, "count": len(ids),
+                                  "max_model_len": self.max_model_len})
+
+    async def detokenize(self, request) -> web.Response:
+        body = await self._body(request)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(
+                t, bool) and 0 <= t < self.tokenizer.vocab_size for t in tokens):
+            raise bad("'tokens' must be a list of token ids in the vocabulary", "tokens")
+        return web.json_response({"prompt": self.tokenizer.decode(tokens)})
+
+    async def health(self, request) -> web.Response:
+        if not self.engine.alive:
+            return web.json_response(APIError(503, "engine unavailable",
+                                              "service_unavailable").body(), status=503)
+        return web.Response(status=200)
+
+    async def version(self, request) -> web.Response:
+        return web.json_response({"version": VERSION})
+
+
+async def _sse(resp: web.StreamResponse, payload: dict) -> None:
+    await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")

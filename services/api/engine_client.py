@@ -1,0 +1,73 @@
+"""The API process's link to the engine core: send requests, receive their deltas."""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from engine_core.sampling_params import SamplingParams
+from services.protocol import AbortRequest, AddRequest, OutputDelta, RequestRejected
+from services.transport import Endpoint, PeerLink, connect
+
+
+class EngineDead(RuntimeError):
+    """The engine core's link closed: every in-flight request ends with an error."""
+
+
+class EngineClient:
+    """One WebSocket to the engine core shared by all of this process's requests.
+
+    Each request gets a queue; the reader puts EngineCoreOutput deltas (for every
+    sample) or a RequestRejected on it, and None when the engine goes away.
+    """
+
+    def __init__(self, endpoint: Endpoint, client_id: str):
+        self.endpoint = endpoint
+        self.client_id = client_id
+        self._link: PeerLink | None = None
+        self._session = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._reader: asyncio.Task | None = None
+        self.alive = False
+
+    async def start(self, timeout: float = 300.0) -> None:
+        self._link, self._session = await connect(self.endpoint, "engine-core", timeout)
+        self.alive = True
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _read(self) -> None:
+        async for message in self._link.messages():
+            if isinstance(message, RequestRejected):
+                queue = self._queues.get(message.req_id)
+                if queue is not None:
+                    queue.put_nowait(message)
+            elif isinstance(message, OutputDelta):
+                for out in message.outputs:
+                    queue = self._queues.get(out.parent_req_id or out.req_id)
+                    if queue is not None:
+                        queue.put_nowait(out)
+        self.alive = False
+        for queue in self._queues.values():
+            queue.put_nowait(None)
+
+    async def add(self, req_id: str, prompt_token_ids: list[int],
+                  params: SamplingParams) -> asyncio.Queue:
+        if not self.alive:
+            raise EngineDead("the engine core is not reachable")
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[req_id] = queue
+        await self._link.send(AddRequest(req_id, prompt_token_ids, params, self.client_id,
+                                         time.time()))
+        return queue
+
+    async def abort(self, req_ids: list[str]) -> None:
+        if self.alive and req_ids:
+            await self._link.send(AbortRequest(req_ids))
+
+    def forget(self, req_id: str) -> None:
+        self._queues.pop(req_id, None)
+
+    async def close(self) -> None:
+        if self._link is not None:
+            await self._link.close()
+        if self._session is not None:
+            await self._session.close()
