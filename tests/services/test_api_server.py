@@ -14,10 +14,8 @@ import pytest
 from services.api.app import APIServer
 from services.api.engine_client import EngineClient
 from services.api.tokenizer import Tokenizer
-from services.engine_core_service import EngineCoreService
 from services.transport import Endpoint, start_site
-from services.worker_service import WorkerService
-from tests.services.test_engine_and_worker_services import tiny_config
+from tests.services.service_stack import start_core_stack, tiny_config
 
 
 def free_port() -> int:
@@ -27,21 +25,14 @@ def free_port() -> int:
 
 
 async def start_stack(config, tmp_path, default_model_path):
-    worker = WorkerService(config)
-    worker_ep = Endpoint(unix_path=str(tmp_path / "w.sock"))
-    engine_ep = Endpoint(unix_path=str(tmp_path / "e.sock"))
-    runners = [await start_site(worker.app(), worker_ep)]
-    core = EngineCoreService(config, worker_ep)
-    await core.connect_worker()
-    runners.append(await start_site(core.app(), engine_ep))
-    tasks = [asyncio.get_running_loop().create_task(core.run())]
+    worker, core, engine_ep, runners, task = await start_core_stack(config, tmp_path)
     client = EngineClient(engine_ep, "api-0")
     await client.start()
     api = APIServer(client, Tokenizer.from_model_path(default_model_path), "folio-tiny",
                     worker.runner.max_model_len)
     port = free_port()
     runners.append(await start_site(api.app(), Endpoint(host="127.0.0.1", port=port)))
-    return core, f"http://127.0.0.1:{port}", runners, tasks, client
+    return core, f"http://127.0.0.1:{port}", runners, [task], client
 
 
 @pytest.fixture

@@ -2,33 +2,12 @@
 import asyncio
 import time
 
-from config import load_config
 from engine_core.sampling_params import SamplingParams
-from services.engine_core_service import EngineCoreService
 from services.protocol import AbortRequest, AddRequest, OutputDelta, RequestRejected
-from services.transport import Endpoint, connect, start_site
-from services.worker_service import WorkerService
+from services.transport import connect
+from tests.services.service_stack import start_core_stack, tiny_config
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
-def tiny_config(tiny_llama_dir, default_model_path):
-    return load_config(overrides={
-        "model": str(tiny_llama_dir), "tokenizer": str(default_model_path),
-        "dtype": "float32", "max_model_len": 256, "num_blocks": 128,
-        "observability.log_level": "warning"}, use_env=False)
-
-
-async def _stack(config, tmp_path):
-    worker = WorkerService(config)
-    worker_ep = Endpoint(unix_path=str(tmp_path / "worker.sock"))
-    engine_ep = Endpoint(unix_path=str(tmp_path / "engine.sock"))
-    runners = [await start_site(worker.app(), worker_ep)]
-    service = EngineCoreService(config, worker_ep)
-    await service.connect_worker()
-    runners.append(await start_site(service.app(), engine_ep))
-    loop_task = asyncio.get_running_loop().create_task(service.run())
-    return service, engine_ep, runners, loop_task
 
 
 async def _collect(link, want_finished):
@@ -56,7 +35,7 @@ def test_requests_flow_through_both_services(tiny_llama_dir, default_model_path,
                 for k, p in prompts.items()}
 
     async def main():
-        service, engine_ep, runners, loop_task = await _stack(config, tmp_path)
+        _, service, engine_ep, runners, loop_task = await start_core_stack(config, tmp_path)
         try:
             link, session = await connect(engine_ep, "api-test")
             for req_id, prompt in prompts.items():

@@ -1,0 +1,27 @@
+"""Start the worker and engine-core services on temporary unix sockets (test helper)."""
+import asyncio
+
+from config import load_config
+from services.engine_core_service import EngineCoreService
+from services.transport import Endpoint, start_site
+from services.worker_service import WorkerService
+
+
+def tiny_config(tiny_llama_dir, default_model_path):
+    return load_config(overrides={
+        "model": str(tiny_llama_dir), "tokenizer": str(default_model_path),
+        "dtype": "float32", "max_model_len": 256, "num_blocks": 128,
+        "observability.log_level": "warning"}, use_env=False)
+
+
+async def start_core_stack(config, tmp_path):
+    """Worker + engine core; returns (worker, core, engine endpoint, runners, loop task)."""
+    worker = WorkerService(config)
+    worker_ep = Endpoint(unix_path=str(tmp_path / "worker.sock"))
+    engine_ep = Endpoint(unix_path=str(tmp_path / "engine.sock"))
+    runners = [await start_site(worker.app(), worker_ep)]
+    core = EngineCoreService(config, worker_ep)
+    await core.connect_worker()
+    runners.append(await start_site(core.app(), engine_ep))
+    task = asyncio.get_running_loop().create_task(core.run())
+    return worker, core, engine_ep, runners, task
