@@ -23,8 +23,8 @@ from engine_core.engine import EngineCore
 from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.sampling_params import InvalidRequestError
 from observability.logging import get_logger
-from services.protocol import (AbortRequest, AddRequest, Health, OutputDelta, RequestRejected,
-                               StepResult, WorkerReady)
+from services.protocol import (AbortRequest, AddRequest, ExecuteStep, Health, OutputDelta,
+                               RequestRejected, StepResult, WorkerReady)
 from services.transport import Endpoint, PeerLink, connect, websocket_route
 
 log = get_logger(__name__)
@@ -107,7 +107,6 @@ class EngineCoreService:
 
     async def _execute(self, scheduler_output) -> ModelRunnerOutput:
         step_id = next(self._step_ids)
-        from services.protocol import ExecuteStep
         await self._worker.send(ExecuteStep(step_id, scheduler_output))
         reply = await self._worker_replies.get()
         if reply is None:

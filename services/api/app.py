@@ -105,7 +105,7 @@ class APIServer:
         if body.get("stream"):
             return await self._stream(request, req_id, ids, params, include_usage,
                                       lambda d: completion_chunk(d, self.tokenizer, **fmt),
-                                      first=None, fmt=fmt, chat=False)
+                                      fmt=fmt, chat=False)
         samples = await self._collect(request, req_id, ids, params)
         return web.json_response(completion_response(samples, len(ids), self.tokenizer, **fmt))
 
@@ -127,7 +127,7 @@ class APIServer:
         if body.get("stream"):
             return await self._stream(request, req_id, ids, params, include_usage,
                                       lambda d: chat_chunk(d, self.tokenizer, **fmt),
-                                      first=True, fmt=fmt, chat=True)
+                                      fmt=fmt, chat=True)
         samples = await self._collect(request, req_id, ids, params)
         return web.json_response(chat_response(samples, len(ids), self.tokenizer, **fmt))
 
@@ -185,8 +185,8 @@ class APIServer:
                 break  # the client hung up: the generator's finally aborts
         return samples
 
-    async def _stream(self, request, req_id, ids, params, include_usage, render, first,
-                      fmt, chat) -> web.StreamResponse:
+    async def _stream(self, request, req_id, ids, params, include_usage, render, fmt,
+                      chat) -> web.StreamResponse:
         gen = self._deltas(request, req_id, ids, params)
         first_delta = await gen.__anext__()  # rejections become HTTP errors, not SSE
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
