@@ -41,6 +41,8 @@ class ModelConfig:
                                    "model's own limit")
     tokenizer: str | None = _f(None, "tokenizer.json or folder; null reads it from the model")
     seed: int = _f(0, "seed for requests that give none")
+    served_model_name: str | None = _f(None, "the name clients pass as 'model'; null takes "
+                                       "the model file's or folder's name")
 
     def __post_init__(self):
         _check(self.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
@@ -145,6 +147,42 @@ class ObservabilityConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ServicesConfig:
+    """Where the three services listen and how `folio serve` runs them."""
+
+    socket_dir: str | None = _f(None, "folder of the services' unix sockets (made mode 0700); "
+                                "null: `folio serve` makes a fresh private one per run")
+    api_host: str = _f("127.0.0.1", "address the OpenAI-compatible API binds "
+                       "(0.0.0.0 to serve other machines)")
+    api_port: int = _f(8000, "TCP port of the API; 0 picks a free one (printed at start)")
+    num_api_servers: int = _f(1, "API processes sharing the port (tokenization scales "
+                              "with them; one engine core serves them all)")
+    engine_core_address: str | None = _f(None, "host:port for the engine core instead of a "
+                                         "unix socket (containers)")
+    worker_address: str | None = _f(None, "host:port for the worker instead of a unix socket "
+                                    "(containers)")
+    startup_timeout_s: float = _f(600.0, "how long a service may take to become healthy "
+                                  "(model load, first kernel build)")
+    drain_timeout_s: float = _f(30.0, "on SIGTERM, how long in-flight requests may take to "
+                                "finish before the stack stops anyway")
+
+    def __post_init__(self):
+        _check(0 <= self.api_port <= 65535, "services.api_port", "must be in 0..65535")
+        _check(1 <= self.num_api_servers <= 64, "services.num_api_servers", "must be in 1..64")
+        for key in ("engine_core_address", "worker_address"):
+            value = getattr(self, key)
+            _check(value is None or _is_host_port(value), f"services.{key}",
+                   f"must be host:port, got {value!r}")
+        _check(self.startup_timeout_s > 0, "services.startup_timeout_s", "must be positive")
+        _check(self.drain_timeout_s >= 0, "services.drain_timeout_s", "must be non-negative")
+
+
+def _is_host_port(value: str) -> bool:
+    host, _, port = value.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) <= 65535
+
+
+@dataclass(frozen=True, slots=True)
 class FolioConfig:
     """The whole tree; one YAML file fills it."""
 
@@ -154,3 +192,4 @@ class FolioConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    services: ServicesConfig = field(default_factory=ServicesConfig)

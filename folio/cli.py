@@ -1,4 +1,4 @@
-"""``folio`` command line: generate, chat, config."""
+"""``folio`` command line: serve, generate, chat, config."""
 from __future__ import annotations
 
 import argparse
@@ -83,6 +83,18 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """Start worker, engine core and API processes; supervise until SIGTERM/Ctrl-C."""
+    from services.launcher import serve
+    overrides = list(args.overrides)
+    if args.host is not None:
+        overrides.append(f"services.api_host={args.host}")
+    if args.port is not None:
+        overrides.append(f"services.api_port={args.port}")
+    config = load_config(args.config, parse_set_overrides(overrides))
+    return serve(config, args.config, overrides)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="folio", description="Folio LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -94,6 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system prompt")
     _add_common(chat)
     chat.set_defaults(func=cmd_chat)
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (three services)")
+    srv.add_argument("--config", default=None, help="YAML config (default: config/default.yaml)")
+    srv.add_argument("--set", dest="overrides", action="append", default=[],
+                     metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")
+    srv.add_argument("--host", default=None, help="shorthand for --set services.api_host=...")
+    srv.add_argument("--port", type=int, default=None,
+                     help="shorthand for --set services.api_port=...")
+    srv.set_defaults(func=cmd_serve)
     cfg = sub.add_parser("config", help="print the resolved config with each key's doc")
     cfg.add_argument("--config", default=None)
     cfg.add_argument("--set", dest="overrides", action="append", default=[])

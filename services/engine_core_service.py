@@ -12,8 +12,11 @@ request is live and wakes on the next add.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
+import sys
+import time
 from collections import defaultdict
 
 from aiohttp import web
@@ -23,9 +26,11 @@ from engine_core.engine import EngineCore
 from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.sampling_params import InvalidRequestError
 from observability.logging import get_logger
+from services.endpoints import engine_core_endpoint, worker_endpoint
+from services.entrypoint import run_service, service_arguments
 from services.protocol import (AbortRequest, AddRequest, ExecuteStep, Health, OutputDelta,
                                RequestRejected, StepResult, WorkerReady)
-from services.transport import Endpoint, PeerLink, connect, websocket_route
+from services.transport import Endpoint, PeerLink, connect, start_site, websocket_route
 
 log = get_logger(__name__)
 
@@ -49,11 +54,15 @@ class EngineCoreService:
         self._owner: dict[str, PeerLink] = {}  # engine req id (sample id) → API link
         self._step_ids = itertools.count()
         self.failure: BaseException | None = None
+        self.ready: WorkerReady | None = None
+        self.num_steps = 0
+        self.last_step_time = time.monotonic()
+        self._clients: set[PeerLink] = set()
 
-    async def connect_worker(self) -> WorkerReady:
+    async def connect_worker(self, timeout: float = 300.0) -> WorkerReady:
         """Open the worker link and build the EngineCore from its WorkerReady."""
         self._worker, self._worker_session = await connect(self.worker_endpoint, "worker",
-                                                           timeout=300.0)
+                                                           timeout=timeout)
         messages = self._worker.messages()
         ready = await messages.__anext__()
         if not isinstance(ready, WorkerReady):
@@ -62,7 +71,8 @@ class EngineCoreService:
                                  ready.block_size, ready.max_model_len, executor=None,
                                  eos_token_ids=ready.eos_token_ids,
                                  vocab_size=ready.vocab_size)
-        asyncio.get_running_loop().create_task(self._read_worker(messages))
+        self._reader = asyncio.get_running_loop().create_task(self._read_worker(messages))
+        self.ready = ready
         log.info("worker connected", num_blocks=ready.num_blocks,
                  max_model_len=ready.max_model_len)
         return ready
@@ -73,21 +83,39 @@ class EngineCoreService:
         await self._worker_replies.put(None)  # the link closed
 
     async def handle_client(self, link: PeerLink) -> None:
-        """One API process: queue its adds and aborts for the step loop."""
-        async for message in link.messages():
-            if isinstance(message, (AddRequest, AbortRequest)):
-                self._inbox.append((link, message))
-                self._wake.set()
-            elif isinstance(message, Health):
-                await link.send(Health(self.failure is None,
-                                       {"running": str(self._num_live())}))
+        """One API process: announce the model, then queue its adds and aborts."""
+        await link.send(self.ready)
+        self._clients.add(link)
+        try:
+            async for message in link.messages():
+                if isinstance(message, (AddRequest, AbortRequest)):
+                    self._inbox.append((link, message))
+                    self._wake.set()
+                elif isinstance(message, Health):
+                    await link.send(Health(self.failure is None, self.health_detail()))
+        finally:
+            self._clients.discard(link)
         aborted = [r for r, owner in self._owner.items() if owner is link]
         if aborted:  # the API process went away: nobody will read these
             self._inbox.append((link, AbortRequest(aborted)))
             self._wake.set()
 
-    def _num_live(self) -> int:
-        return self.engine.scheduler.get_num_unfinished_requests() if self.engine else 0
+    def health_detail(self) -> dict[str, float]:
+        """Gauges a probe (or a test) needs to see that the engine is alive and clean."""
+        stats = self.engine.get_stats()
+        busy = self.engine.has_unfinished_requests() or bool(self._inbox)
+        return {"num_running": stats.num_running, "num_waiting": stats.num_waiting,
+                "num_free_blocks": self.engine.scheduler.kv_cache_manager.num_free_blocks,
+                "num_blocks": self.ready.num_blocks - 1,  # block 0 is the null block
+                "kv_cache_usage": stats.kv_cache_usage, "num_steps": self.num_steps,
+                "num_preemptions": stats.num_preemptions, "num_clients": len(self._clients),
+                "seconds_since_last_step": (time.monotonic() - self.last_step_time
+                                            if busy else 0.0)}
+
+    async def health(self, request: web.Request) -> web.Response:
+        ok = self.engine is not None and self.failure is None
+        body = {"status": "ok" if ok else "failed", **(self.health_detail() if ok else {})}
+        return web.json_response(body, status=200 if ok else 503)
 
     async def _apply_inbox(self) -> None:
         inbox, self._inbox = self._inbox, []
@@ -137,12 +165,15 @@ class EngineCoreService:
                 if not self._inbox and not self.engine.has_unfinished_requests():
                     self._wake.clear()
                     await self._wake.wait()
+                    self.last_step_time = time.monotonic()  # idle time is not a stall
                 await self._apply_inbox()
                 scheduler_output = self.engine.begin_step()
                 runner_output = (await self._execute(scheduler_output)
                                  if self.engine.needs_worker(scheduler_output)
                                  else ModelRunnerOutput())
                 await self._route(self.engine.end_step(scheduler_output, runner_output))
+                self.num_steps += 1
+                self.last_step_time = time.monotonic()
                 await asyncio.sleep(0)  # let client handlers queue their messages
         except BaseException as e:
             self.failure = e
@@ -158,4 +189,36 @@ class EngineCoreService:
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/ws", websocket_route(self.handle_client, "api"))
+        app.router.add_get("/health", self.health)
         return app
+
+
+async def serve(config: FolioConfig, args: argparse.Namespace, stop: asyncio.Event) -> int:
+    """Connect to the worker, listen for API processes, step until SIGTERM or failure."""
+    core = EngineCoreService(config, worker_endpoint(config.services))
+    await core.connect_worker(timeout=config.services.startup_timeout_s)
+    endpoint = engine_core_endpoint(config.services)
+    runner = await start_site(core.app(), endpoint, shutdown_timeout=0.5)
+    log.info("engine core ready", endpoint=str(endpoint))
+    loop_task = asyncio.ensure_future(core.run())
+    stop_task = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([loop_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
+    status = 0
+    if loop_task.done():
+        log.error("engine core stopping: the worker failed", error=str(loop_task.exception()))
+        print(f"folio engine-core: {loop_task.exception()}", file=sys.stderr)
+        status = 1
+    loop_task.cancel()
+    stop_task.cancel()
+    await core.close()
+    await runner.cleanup()
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_service("engine-core", serve,
+                       service_arguments("python -m services.engine_core_service"), argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

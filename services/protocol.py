@@ -86,7 +86,8 @@ class RequestRejected:
 
 @dataclass(slots=True)
 class WorkerReady:
-    """Worker → engine core, first frame on the link: the KV pool and model limits."""
+    """First frame on a link, worker → engine core and engine core → API: the KV pool
+    and the model's limits."""
 
     num_blocks: int
     block_size: int
@@ -97,10 +98,10 @@ class WorkerReady:
 
 @dataclass(slots=True)
 class Health:
-    """Either direction: liveness probe and its answer."""
+    """Either direction: liveness probe and its answer (``detail``: counters and gauges)."""
 
     ok: bool = True
-    detail: dict[str, str] = field(default_factory=dict)
+    detail: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

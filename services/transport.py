@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,15 @@ class Endpoint:
     unix_path: str | None = None
     host: str | None = None
     port: int | None = None
+
+    @classmethod
+    def parse(cls, address: str) -> "Endpoint":
+        """``host:port`` → a TCP endpoint (the config has checked the shape)."""
+        host, _, port = address.rpartition(":")
+        return cls(host=host, port=int(port))
+
+    def __str__(self) -> str:
+        return self.unix_path if self.unix_path is not None else f"{self.host}:{self.port}"
 
     def url(self, path: str = WS_PATH) -> str:
         if self.unix_path is not None:
@@ -110,24 +120,45 @@ async def start_site(app: web.Application, endpoint: Endpoint,
 
     ``shutdown_timeout`` bounds how long cleanup waits for open handlers (a peer's
     WebSocket stays open for the life of the link)."""
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout)
+    return await serve_app(app, [endpoint], shutdown_timeout=shutdown_timeout)
+
+
+async def serve_app(app: web.Application, endpoints: list[Endpoint],
+                    sockets: list[socket.socket] = (), shutdown_timeout: float = 2.0,
+                    reuse_port: bool = False,
+                    handler_cancellation: bool = False) -> web.AppRunner:
+    """Serve ``app`` on every endpoint and on already-listening ``sockets`` at once.
+
+    ``handler_cancellation`` cancels a handler when its client disconnects (the API
+    uses it so a request that waits in the queue is aborted at once)."""
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout,
+                           handler_cancellation=handler_cancellation)
     await runner.setup()
-    if endpoint.unix_path is not None:
-        path = Path(endpoint.unix_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.is_socket():
-            path.unlink()  # a stale socket from a previous run
-        old_umask = os.umask(0o177)  # the socket is born 0600: no window for others
-        try:
-            site = web.UnixSite(runner, str(path))
-            await site.start()
-        finally:
-            os.umask(old_umask)
-        os.chmod(path, 0o600)
-    else:
-        site = web.TCPSite(runner, endpoint.host, endpoint.port)
-        await site.start()
+    try:
+        for endpoint in endpoints:
+            if endpoint.unix_path is not None:
+                await _start_unix_site(runner, Path(endpoint.unix_path))
+            else:
+                await web.TCPSite(runner, endpoint.host, endpoint.port,
+                                  reuse_port=reuse_port or None).start()
+        for sock in sockets:
+            await web.SockSite(runner, sock).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
     return runner
+
+
+async def _start_unix_site(runner: web.AppRunner, path: Path) -> None:
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.is_socket():
+        path.unlink()  # a stale socket from a previous run
+    old_umask = os.umask(0o177)  # the socket is born 0600: no window for others
+    try:
+        await web.UnixSite(runner, str(path)).start()
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, 0o600)
 
 
 async def connect(endpoint: Endpoint, name: str, timeout: float = 30.0,
@@ -147,3 +178,18 @@ async def connect(endpoint: Endpoint, name: str, timeout: float = 30.0,
                 raise ConnectionError(f"{name}: nothing listening at {endpoint} after "
                                       f"{timeout:.0f}s") from None
             await asyncio.sleep(retry_interval)
+
+
+async def probe_health(endpoint: Endpoint, timeout: float = 5.0) -> tuple[int, dict]:
+    """GET ``/health`` on ``endpoint``: (HTTP status, JSON body or {}); (0, {}) if unreachable."""
+    try:
+        async with aiohttp.ClientSession(connector=endpoint.connector(),
+                                         timeout=aiohttp.ClientTimeout(total=timeout)) as s:
+            async with s.get(endpoint.url("/health")) as resp:
+                try:
+                    body = await resp.json(content_type=None)
+                except ValueError:
+                    body = {}
+                return resp.status, body if isinstance(body, dict) else {}
+    except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+        return 0, {}

@@ -7,7 +7,10 @@ thread so the event loop still answers health probes while the forward pass runs
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
+import sys
+import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,8 +18,10 @@ from aiohttp import web
 
 from config.schema import FolioConfig
 from observability.logging import get_logger
+from services.endpoints import worker_endpoint
+from services.entrypoint import run_service, service_arguments
 from services.protocol import ExecuteStep, Health, Shutdown, StepResult, WorkerReady
-from services.transport import PeerLink, websocket_route
+from services.transport import PeerLink, start_site, websocket_route
 
 log = get_logger(__name__)
 
@@ -68,7 +73,41 @@ class WorkerService:
         self.num_steps += 1
         return StepResult(message.step_id, output)
 
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "num_steps": self.num_steps,
+                                  "num_blocks": self.num_blocks})
+
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/ws", websocket_route(self.handle, "engine-core"))
+        app.router.add_get("/health", self.health)
         return app
+
+
+async def serve(config: FolioConfig, args: argparse.Namespace, stop: asyncio.Event) -> int:
+    """Load the model, listen, and serve until SIGTERM or a Shutdown message."""
+    t0 = time.perf_counter()
+    worker = WorkerService(config)
+    endpoint = worker_endpoint(config.services)
+    runner = await start_site(worker.app(), endpoint)
+    log.info("worker ready", endpoint=str(endpoint), num_blocks=worker.num_blocks,
+             block_size=config.memory.block_size,
+             num_kv_tokens=worker.num_blocks * config.memory.block_size,
+             load_seconds=round(worker.runner.load_seconds, 2),
+             ready_seconds=round(time.perf_counter() - t0, 2))
+    waits = [asyncio.ensure_future(stop.wait()),
+             asyncio.ensure_future(worker.shutdown_requested.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for w in waits:
+        w.cancel()
+    await runner.cleanup()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_service("worker", serve, service_arguments("python -m services.worker_service"),
+                       argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -84,3 +84,13 @@ def is_gguf_file(path: Path) -> bool:
         return False
     with open(path, "rb") as handle:
         return handle.read(4) == GGUF_MAGIC
+
+
+def served_model_name(path: str, served_name: str | None = None) -> str:
+    """The name clients pass as ``model``: the configured one, else the model's own."""
+    if served_name:
+        return served_name
+    if path == DEFAULT_MODEL_NAME:
+        return DEFAULT_MODEL_FILE.split(".")[0]  # "SmolLM2-135M-Instruct"
+    resolved = Path(path).expanduser()
+    return resolved.stem if resolved.suffix == ".gguf" else resolved.name

@@ -6,7 +6,8 @@ A client that disconnects aborts its request so its KV blocks are freed.
 """
 from __future__ import annotations
 
-import itertools
+import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -19,14 +20,14 @@ from services.api.chat_template import ChatTemplateError
 from services.api.detokenizer import IncrementalDetokenizer
 from services.api.engine_client import EngineClient, EngineDead
 from services.api.openai_protocol import (APIError, bad, check_stream_options,
-                                          completion_prompt, sampling_params_from)
+                                          completion_prompt, sampling_params_from,
+                                          unavailable)
 from services.api.response_format import (chat_chunk, chat_response, completion_chunk,
                                           completion_response, usage)
 from services.api.tokenizer import Tokenizer
 from services.protocol import RequestRejected
 
 VERSION = "0.1.0"
-_ids = itertools.count()
 
 
 @dataclass(slots=True)
@@ -47,6 +48,22 @@ class APIServer:
                  max_model_len: int):
         self.engine, self.tokenizer = engine, tokenizer
         self.model_name, self.max_model_len = model_name, max_model_len
+        self.num_in_flight = 0  # generation requests being served now
+        self.draining = False  # set on SIGTERM: finish what runs, refuse new work
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def begin_drain(self) -> None:
+        """Refuse new generation requests (503); those in flight carry on."""
+        self.draining = True
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no generation request is in flight; False on timeout."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors], client_max_size=4 * 1024 * 1024)
@@ -61,16 +78,27 @@ class APIServer:
 
     @web.middleware
     async def _errors(self, request, handler):
+        generates = request.method == "POST" and request.path.startswith("/v1/")
         try:
-            return await handler(request)
+            if not generates:
+                return await handler(request)
+            if self.draining:
+                raise unavailable("the server is shutting down", "shutting_down")
+            self.num_in_flight += 1
+            self._idle.clear()
+            try:
+                return await handler(request)
+            finally:
+                self.num_in_flight -= 1
+                if self.num_in_flight == 0:
+                    self._idle.set()
         except APIError as e:
             return web.json_response(e.body(), status=e.status)
         except web.HTTPException as e:
             err = APIError(e.status, e.reason or "error", type="invalid_request_error")
             return web.json_response(err.body(), status=e.status)
         except EngineDead as e:
-            return web.json_response(APIError(503, str(e), "service_unavailable").body(),
-                                     status=503)
+            return web.json_response(unavailable(str(e)).body(), status=503)
 
     async def _body(self, request) -> dict:
         try:
@@ -175,19 +203,29 @@ class APIServer:
 
     async def _collect(self, request, req_id, ids, params) -> list[SampleDelta]:
         samples = [SampleDelta(i, "", []) for i in range(params.n)]
-        async for d in self._deltas(request, req_id, ids, params):
-            s = samples[d.index]
-            s.text += d.text
-            s.token_ids += d.token_ids
-            s.logprobs += d.logprobs
-            s.finish_reason = d.finish_reason or s.finish_reason
-            if request.transport is None or request.transport.is_closing():
-                break  # the client hung up: the generator's finally aborts
+        # aclosing: leaving early (client gone, handler cancelled) aborts at once
+        async with contextlib.aclosing(self._deltas(request, req_id, ids, params)) as deltas:
+            async for d in deltas:
+                s = samples[d.index]
+                s.text += d.text
+                s.token_ids += d.token_ids
+                s.logprobs += d.logprobs
+                s.finish_reason = d.finish_reason or s.finish_reason
+                if request.transport is None or request.transport.is_closing():
+                    break  # the client hung up
         return samples
 
     async def _stream(self, request, req_id, ids, params, include_usage, render, fmt,
                       chat) -> web.StreamResponse:
         gen = self._deltas(request, req_id, ids, params)
+        try:
+            return await self._write_stream(request, gen, req_id, ids, params,
+                                            include_usage, render, fmt, chat)
+        finally:  # also on cancellation (client gone): aborts what is still live
+            await gen.aclose()
+
+    async def _write_stream(self, request, gen, req_id, ids, params, include_usage, render,
+                            fmt, chat) -> web.StreamResponse:
         first_delta = await gen.__anext__()  # rejections become HTTP errors, not SSE
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
@@ -206,10 +244,10 @@ class APIServer:
                 delta = await gen.__anext__()
         except StopAsyncIteration:
             pass
-        except (ConnectionResetError, EngineDead) as e:
-            await gen.aclose()
-            if isinstance(e, EngineDead) and not (request.transport is None):
-                await _sse(resp, APIError(503, str(e), "service_unavailable").body())
+        except ConnectionResetError:
+            return resp
+        except EngineDead as e:  # the stream ends with an error event, not [DONE]
+            await _sse(resp, unavailable(str(e)).body())
             return resp
         if include_usage:
             await _sse(resp, {"id": req_id, "object": "chat.completion.chunk" if chat
@@ -246,10 +284,17 @@ class APIServer:
         return web.json_response({"prompt": self.tokenizer.decode(tokens)})
 
     async def health(self, request) -> web.Response:
-        if not self.engine.alive:
-            return web.json_response(APIError(503, "engine unavailable",
-                                              "service_unavailable").body(), status=503)
-        return web.Response(status=200)
+        """200 with the engine core's gauges when it answers; 503 when it does not, or
+        while this process drains."""
+        if self.draining:
+            raise unavailable("the server is shutting down", "shutting_down")
+        try:
+            reply = await self.engine.health()
+        except (EngineDead, asyncio.TimeoutError):
+            raise unavailable("the engine core is unavailable")
+        if not reply.ok:
+            raise unavailable("the engine core has failed")
+        return web.json_response({"status": "ok", "engine": reply.detail})
 
     async def version(self, request) -> web.Response:
         return web.json_response({"version": VERSION})

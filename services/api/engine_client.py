@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 
 from engine_core.sampling_params import SamplingParams
-from services.protocol import AbortRequest, AddRequest, OutputDelta, RequestRejected
+from services.protocol import (AbortRequest, AddRequest, Health, OutputDelta, ProtocolError,
+                               RequestRejected, WorkerReady)
 from services.transport import Endpoint, PeerLink, connect
 
 
@@ -17,7 +19,8 @@ class EngineClient:
     """One WebSocket to the engine core shared by all of this process's requests.
 
     Each request gets a queue; the reader puts EngineCoreOutput deltas (for every
-    sample) or a RequestRejected on it, and None when the engine goes away.
+    sample) or a RequestRejected on it, and None when the engine goes away. Health
+    probes are answered in order on the same link, so replies match a FIFO of waiters.
     """
 
     def __init__(self, endpoint: Endpoint, client_id: str):
@@ -26,28 +29,47 @@ class EngineClient:
         self._link: PeerLink | None = None
         self._session = None
         self._queues: dict[str, asyncio.Queue] = {}
+        self._health_waiters: deque[asyncio.Future] = deque()
         self._reader: asyncio.Task | None = None
+        self.model_info: WorkerReady | None = None
         self.alive = False
+        self.dead = asyncio.Event()  # set once the link is gone for good
 
-    async def start(self, timeout: float = 300.0) -> None:
+    async def start(self, timeout: float = 300.0) -> WorkerReady:
+        """Connect (retrying until ``timeout``) and read the engine's model limits."""
         self._link, self._session = await connect(self.endpoint, "engine-core", timeout)
+        messages = self._link.messages()
+        first = await anext(messages, None)
+        if not isinstance(first, WorkerReady):
+            await self.close()
+            raise ProtocolError(f"the engine core's first frame was {type(first).__name__}")
+        self.model_info = first
         self.alive = True
-        self._reader = asyncio.get_running_loop().create_task(self._read())
+        self._reader = asyncio.get_running_loop().create_task(self._read(messages))
+        return first
 
-    async def _read(self) -> None:
-        async for message in self._link.messages():
-            if isinstance(message, RequestRejected):
-                queue = self._queues.get(message.req_id)
-                if queue is not None:
-                    queue.put_nowait(message)
-            elif isinstance(message, OutputDelta):
+    async def _read(self, messages) -> None:
+        async for message in messages:
+            if isinstance(message, OutputDelta):
                 for out in message.outputs:
                     queue = self._queues.get(out.parent_req_id or out.req_id)
                     if queue is not None:
                         queue.put_nowait(out)
+            elif isinstance(message, RequestRejected):
+                queue = self._queues.get(message.req_id)
+                if queue is not None:
+                    queue.put_nowait(message)
+            elif isinstance(message, Health) and self._health_waiters:
+                waiter = self._health_waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(message)
         self.alive = False
+        self.dead.set()
         for queue in self._queues.values():
             queue.put_nowait(None)
+        for waiter in self._health_waiters:
+            if not waiter.done():
+                waiter.set_exception(EngineDead("the engine core went away"))
 
     async def add(self, req_id: str, prompt_token_ids: list[int],
                   params: SamplingParams) -> asyncio.Queue:
@@ -62,6 +84,15 @@ class EngineClient:
     async def abort(self, req_ids: list[str]) -> None:
         if self.alive and req_ids:
             await self._link.send(AbortRequest(req_ids))
+
+    async def health(self, timeout: float = 5.0) -> Health:
+        """The engine core's own answer (its gauges); EngineDead or TimeoutError if none."""
+        if not self.alive:
+            raise EngineDead("the engine core is not reachable")
+        waiter = asyncio.get_running_loop().create_future()
+        self._health_waiters.append(waiter)
+        await self._link.send(Health())
+        return await asyncio.wait_for(waiter, timeout)
 
     def forget(self, req_id: str) -> None:
         self._queues.pop(req_id, None)

@@ -31,6 +31,11 @@ def bad(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
 
 
+def unavailable(message: str, code: str = "engine_unavailable") -> APIError:
+    """503: the engine is gone or this process is draining; retrying later may work."""
+    return APIError(503, message, "service_unavailable", code=code)
+
+
 # OpenAI / vLLM field → (SamplingParams field, accepted python types)
 _NUMBER = (int, float)
 _FIELDS = {

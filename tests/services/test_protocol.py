@@ -30,7 +30,7 @@ MESSAGES = [
         num_cached_tokens={"r1": 0})),
     StepResult(4, ModelRunnerOutput(["r1"], [[7]], [[LOGPROBS]])),
     StepResult(5, ModelRunnerOutput(), error="worker failed"),
-    Health(True, {"engine": "ok"}),
+    Health(True, {"num_running": 3.0, "kv_cache_usage": 0.25}),
     RequestRejected("r9", "max_tokens must be at least 1", "max_tokens"),
     WorkerReady(num_blocks=100, block_size=16, max_model_len=2048, vocab_size=49152,
                 eos_token_ids=[2]),

@@ -17,7 +17,7 @@ async def _echo_server(endpoint, seen):
     async def handler(link):
         async for message in link.messages():
             seen.append(message)
-            await link.send(Health(True, {"echo": type(message).__name__}))
+            await link.send(Health(True, {"echo_" + type(message).__name__: 1.0}))
 
     app = web.Application()
     app.router.add_get("/ws", websocket_route(handler, "test-peer"))
@@ -35,7 +35,7 @@ def test_round_trip_and_socket_mode(tmp_path):
             link, session = await connect(endpoint, "client")
             await link.send(AbortRequest(["a", "b"]))
             reply = await link.messages().__anext__()
-            assert reply == Health(True, {"echo": "AbortRequest"})
+            assert reply == Health(True, {"echo_AbortRequest": 1.0})
             assert seen == [AbortRequest(["a", "b"])]
             await link.close()
             await session.close()

@@ -1,0 +1,83 @@
+"""One API process: tokenizer, engine-core link and the OpenAI routes on a TCP port.
+
+Several API processes serve one port: under `folio serve` they share the listening
+socket the supervisor bound (``--listen-fd``); started alone they bind host:port
+themselves (with SO_REUSEPORT when more than one is configured). Each also serves the
+same routes on its own unix socket so its health can be probed alone.
+
+On SIGTERM the process drains: new generation requests get 503, those in flight finish
+(up to ``services.drain_timeout_s``), then it exits 0. If the engine core goes away,
+open streams end with an error event, new requests get 503, and the process exits 1.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import sys
+
+from config.schema import FolioConfig
+from observability.logging import get_logger
+from services.api.app import APIServer
+from services.api.engine_client import EngineClient
+from services.api.tokenizer import Tokenizer
+from services.endpoints import api_admin_endpoint, engine_core_endpoint
+from services.entrypoint import run_service, service_arguments
+from services.transport import Endpoint, serve_app
+
+log = get_logger(__name__)
+ENGINE_LOSS_GRACE_S = 2.0  # let error events reach clients before exiting
+
+
+async def serve(config: FolioConfig, args: argparse.Namespace, stop: asyncio.Event) -> int:
+    from worker.model_files import resolve_model_path, served_model_name
+    services = config.services
+    tokenizer = Tokenizer.from_model_path(config.model.tokenizer
+                                          or resolve_model_path(config.model.path))
+    engine = EngineClient(engine_core_endpoint(services), f"api-{args.index}-{os.getpid()}")
+    info = await engine.start(timeout=services.startup_timeout_s)
+    server = APIServer(engine, tokenizer,
+                       served_model_name(config.model.path, config.model.served_model_name),
+                       info.max_model_len)
+    admin = api_admin_endpoint(services, args.index)
+    endpoints = [admin] if admin is not None else []
+    sockets = []
+    if args.listen_fd is not None:
+        sockets.append(socket.socket(fileno=args.listen_fd))
+    else:
+        endpoints.append(Endpoint(host=services.api_host, port=services.api_port))
+    runner = await serve_app(server.app(), endpoints, sockets, shutdown_timeout=1.0,
+                             reuse_port=services.num_api_servers > 1,
+                             handler_cancellation=True)
+    log.info("api ready", index=args.index, model=server.model_name,
+             max_model_len=info.max_model_len)
+    stop_task = asyncio.ensure_future(stop.wait())
+    dead_task = asyncio.ensure_future(engine.dead.wait())
+    await asyncio.wait([stop_task, dead_task], return_when=asyncio.FIRST_COMPLETED)
+    status = 0
+    if stop.is_set():
+        server.begin_drain()
+        if not await server.wait_idle(services.drain_timeout_s):
+            log.warning("drain timed out", num_in_flight=server.num_in_flight)
+    else:
+        log.error("the engine core went away; exiting")
+        await asyncio.sleep(ENGINE_LOSS_GRACE_S)
+        status = 1
+    stop_task.cancel()
+    dead_task.cancel()
+    await runner.cleanup()
+    await engine.close()
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = service_arguments("python -m services.api")
+    parser.add_argument("--index", type=int, default=0, help="this API process's number")
+    parser.add_argument("--listen-fd", type=int, default=None,
+                        help="serve an already-listening TCP socket (from `folio serve`)")
+    return run_service("api", serve, parser, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

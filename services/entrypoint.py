@@ -1,0 +1,86 @@
+"""What every service process does around its own work: arguments, config, logging,
+uvloop, signals, and dying with the supervisor.
+
+    python -m services.worker_service      --config config/default.yaml [--set k=v ...]
+    python -m services.engine_core_service --config config/default.yaml [--set k=v ...]
+    python -m services.api                 --config config/default.yaml [--set k=v ...]
+
+``serve(config, args, stop)`` is the service's coroutine; ``stop`` is set on SIGTERM or
+SIGINT and the coroutine returns the exit status. A start-up failure (bad config,
+missing model, port in use, unreachable peer) is one line on stderr and exit status 1
+(2 for a config error), never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+import structlog
+import uvloop
+
+from config.loader import load_config, parse_set_overrides
+from config.schema import ConfigError, FolioConfig
+from observability.logging import configure_logging, get_logger
+
+SUPERVISOR_ENV = "FOLIO_SUPERVISOR_PID"
+_PR_SET_PDEATHSIG = 1
+
+Serve = Callable[[FolioConfig, argparse.Namespace, asyncio.Event], Awaitable[int]]
+log = get_logger(__name__)
+
+
+class ServiceStartError(RuntimeError):
+    """A service cannot start; the message says what to fix."""
+
+
+def service_arguments(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--config", default=None,
+                        help="the YAML config (default: config/default.yaml)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="SECTION.KEY=VALUE", help="override one config key")
+    return parser
+
+
+def _die_with_supervisor() -> None:
+    """Under `folio serve`, exit when the supervisor dies, even by SIGKILL."""
+    supervisor = os.environ.get(SUPERVISOR_ENV)
+    if not supervisor or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(supervisor):  # it died before prctl took effect
+        sys.exit(1)
+
+
+def run_service(name: str, serve: Serve, parser: argparse.ArgumentParser,
+                argv: list[str] | None = None) -> int:
+    """Parse arguments, load the config and run ``serve`` under uvloop; the exit status."""
+    args = parser.parse_args(argv)
+    _die_with_supervisor()
+    try:
+        config = load_config(args.config, parse_set_overrides(args.overrides))
+    except ConfigError as e:
+        print(f"folio {name}: config error: {e}", file=sys.stderr)
+        return 2
+    configure_logging(config.observability.log_level, config.observability.log_format)
+    structlog.contextvars.bind_contextvars(service=name)
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        return await serve(config, args, stop)
+
+    try:
+        return uvloop.run(main())
+    except (ServiceStartError, ConfigError, ConnectionError, OSError, ValueError) as e:
+        log.error("start-up failed", error=str(e))
+        print(f"folio {name}: {e}", file=sys.stderr)
+        return 1

@@ -1,0 +1,211 @@
+"""`folio serve`: start the three services as processes, supervise them, drain on SIGTERM.
+
+    folio serve ─┬─ python -m services.worker_service       (model + KV cache)
+                 ├─ python -m services.engine_core_service  (scheduler, step loop)
+                 └─ python -m services.api  × num_api_servers (HTTP; one shared port)
+
+All children start at once (each retries its peer's socket), then the supervisor waits
+for each one's /health in dependency order. The API port is bound here and the
+listening socket handed to every API process, so a port in use fails before anything
+loads and several API processes share one port. Children run in their own sessions
+(Ctrl-C reaches only the supervisor, which then drains in order) and die with the
+supervisor even if it is SIGKILLed (PR_SET_PDEATHSIG, see services/entrypoint.py).
+
+Exit status: 0 after a drain, 1 when any service died or failed to start (the message
+names it), 2 for a config error.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass, replace
+
+from config.schema import FolioConfig
+from services.endpoints import api_admin_endpoint, engine_core_endpoint, worker_endpoint
+from services.api.server import ENGINE_LOSS_GRACE_S
+from services.entrypoint import SUPERVISOR_ENV
+from services.transport import Endpoint, probe_health
+
+STOP_GRACE_S = 10.0  # after SIGTERM, how long a child may take before SIGKILL
+HEALTH_POLL_S = 0.2
+
+
+class ServiceDied(RuntimeError):
+    """A supervised service exited when it should not have."""
+
+
+@dataclass(slots=True)
+class ServiceProcess:
+    """One child: its name, health endpoint and process."""
+
+    name: str
+    health: Endpoint
+    process: asyncio.subprocess.Process | None = None
+
+
+class Launcher:
+    """Runs a stack for one config; ``run()`` returns the exit status."""
+
+    def __init__(self, config: FolioConfig, config_path: str | None, overrides: list[str],
+                 out=sys.stdout):
+        self.config_path = config_path
+        self.overrides = list(overrides)
+        self.out = out
+        self._own_socket_dir = config.services.socket_dir is None
+        if self._own_socket_dir:
+            socket_dir = tempfile.mkdtemp(prefix="folio-")  # mode 0700
+            config = replace(config, services=replace(config.services, socket_dir=socket_dir))
+            self.overrides.append(f"services.socket_dir={socket_dir}")
+        self.config = config
+        self.children: list[ServiceProcess] = []
+        self._stop = asyncio.Event()
+
+    def _say(self, text: str) -> None:
+        print(f"[folio] {text}", file=self.out, flush=True)
+
+    def _bind_api_socket(self) -> socket.socket:
+        services = self.config.services
+        try:
+            sock = socket.create_server((services.api_host, services.api_port), backlog=1024)
+        except OSError as e:
+            raise OSError(f"cannot listen on {services.api_host}:{services.api_port} "
+                          f"(services.api_host/api_port): {e.strerror}") from None
+        sock.set_inheritable(True)
+        return sock
+
+    async def _spawn(self, child: ServiceProcess, module: str, *extra: str,
+                     pass_fds: tuple[int, ...] = ()) -> None:
+        argv = [sys.executable, "-m", module]
+        if self.config_path:
+            argv += ["--config", self.config_path]
+        for override in self.overrides:
+            argv += ["--set", override]
+        env = dict(os.environ, **{SUPERVISOR_ENV: str(os.getpid())})
+        child.process = await asyncio.create_subprocess_exec(
+            *argv, *extra, env=env, pass_fds=pass_fds, start_new_session=True)
+        self.children.append(child)
+
+    async def _wait_healthy(self, child: ServiceProcess, deadline: float) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if child.process.returncode is not None:
+                raise ServiceDied(f"{child.name} exited with status "
+                                  f"{child.process.returncode} during start-up (its error "
+                                  f"is above)")
+            status, _ = await probe_health(child.health, timeout=2.0)
+            if status == 200:
+                return
+            if loop.time() > deadline or self._stop.is_set():
+                raise ServiceDied(f"{child.name} did not become healthy within "
+                                  f"{self.config.services.startup_timeout_s:.0f}s")
+            await asyncio.sleep(HEALTH_POLL_S)
+
+    async def _start(self) -> str:
+        services = self.config.services
+        api_sock = self._bind_api_socket()
+        try:
+            host, port = api_sock.getsockname()[:2]
+            await self._spawn(ServiceProcess("worker", worker_endpoint(services)),
+                              "services.worker_service")
+            await self._spawn(ServiceProcess("engine-core", engine_core_endpoint(services)),
+                              "services.engine_core_service")
+            for i in range(services.num_api_servers):
+                await self._spawn(ServiceProcess(f"api-{i}", api_admin_endpoint(services, i)),
+                                  "services.api", "--index", str(i),
+                                  "--listen-fd", str(api_sock.fileno()),
+                                  pass_fds=(api_sock.fileno(),))
+        finally:
+            api_sock.close()  # the API processes hold their own copies
+        deadline = asyncio.get_running_loop().time() + services.startup_timeout_s
+        for child in self.children:
+            await self._wait_healthy(child, deadline)
+        return f"http://{host}:{port}"
+
+    async def _first_exit(self) -> ServiceProcess | None:
+        waits = {asyncio.ensure_future(c.process.wait()): c for c in self.children}
+        stop = asyncio.ensure_future(self._stop.wait())
+        done, _ = await asyncio.wait([*waits, stop], return_when=asyncio.FIRST_COMPLETED)
+        for w in (*waits, stop):
+            w.cancel()
+        exited = [c for w, c in waits.items() if w in done]
+        return exited[0] if exited else None
+
+    async def _terminate(self, children: list[ServiceProcess], grace: float) -> None:
+        live = [c for c in children if c.process.returncode is None]
+        for c in live:
+            c.process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(c.process.wait() for c in live)), grace)
+        except asyncio.TimeoutError:
+            for c in live:
+                if c.process.returncode is None:
+                    self._say(f"{c.name} did not stop within {grace:.0f}s; killing it")
+                    c.process.kill()
+            await asyncio.gather(*(c.process.wait() for c in live))
+
+    async def _stop_after_death(self, died: ServiceProcess) -> None:
+        """Stop the core services at once; API processes first answer 503 for a moment
+        and end open streams with an error event, then exit by themselves."""
+        apis = [c for c in self.children if c.name.startswith("api-")]
+        if died in apis:
+            await self._terminate(self.children, STOP_GRACE_S)
+            return
+        await self._terminate([c for c in self.children if c not in apis], STOP_GRACE_S)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(c.process.wait() for c in apis)),
+                                   ENGINE_LOSS_GRACE_S + STOP_GRACE_S)
+        except asyncio.TimeoutError:
+            pass
+        await self._terminate(apis, STOP_GRACE_S)
+
+    async def _drain(self) -> None:
+        """APIs first (they finish in-flight requests), then the engine core and worker."""
+        apis = [c for c in self.children if c.name.startswith("api-")]
+        self._say("draining: new requests get 503, in-flight requests finish")
+        await self._terminate(apis, self.config.services.drain_timeout_s + STOP_GRACE_S)
+        await self._terminate([c for c in self.children if c not in apis], STOP_GRACE_S)
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        try:
+            try:
+                url = await self._start()
+            except (ServiceDied, OSError) as e:
+                self._say(f"start-up failed: {e}")
+                await self._terminate(self.children, STOP_GRACE_S)
+                return 1
+            if self._stop.is_set():
+                await self._drain()
+                return 0
+            self._say(f"API listening on {url} (model {self._model_name()}); "
+                      f"{self.config.services.num_api_servers} API process(es); "
+                      f"Ctrl-C drains and stops")
+            died = await self._first_exit()
+            if died is None:
+                await self._drain()
+                self._say("stopped")
+                return 0
+            self._say(f"{died.name} died (exit status {died.process.returncode}); "
+                      f"stopping the other services")
+            await self._stop_after_death(died)
+            return 1
+        finally:
+            if self._own_socket_dir:
+                shutil.rmtree(self.config.services.socket_dir, ignore_errors=True)
+
+    def _model_name(self) -> str:
+        from worker.model_files import served_model_name
+        return served_model_name(self.config.model.path, self.config.model.served_model_name)
+
+
+def serve(config: FolioConfig, config_path: str | None, overrides: list[str]) -> int:
+    """Entry of `folio serve`."""
+    import uvloop
+    return uvloop.run(Launcher(config, config_path, overrides).run())

@@ -1,0 +1,115 @@
+"""Run `folio serve` as a real process for end-to-end tests, and look at its children."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+_READY = re.compile(r"API listening on (http://\S+)")
+
+
+def write_config(path: Path, model_path: str, tokenizer_path: str | None = None,
+                 **sections) -> Path:
+    """A YAML config for a test stack; ``sections`` are merged over the tiny defaults."""
+    tree = {
+        "model": {"path": model_path, "tokenizer": tokenizer_path, "dtype": "float32",
+                  "max_model_len": 1024, "served_model_name": "folio-tiny"},
+        "memory": {"num_blocks": 512},
+        "observability": {"log_level": "warning"},
+        "services": {"api_port": 0, "startup_timeout_s": 120, "drain_timeout_s": 20},
+    }
+    for name, values in sections.items():
+        tree.setdefault(name, {}).update(values)
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def is_running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+class ServeProcess:
+    """`python -m folio.cli serve` with its output in files under ``log_dir``."""
+
+    def __init__(self, config_path: Path, log_dir: Path, *args: str,
+                 env: dict[str, str] | None = None):
+        self.out_path, self.err_path = log_dir / "serve.out", log_dir / "serve.err"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "folio.cli", "serve", "--config", str(config_path), *args],
+            cwd=REPO, stdout=open(self.out_path, "w"), stderr=open(self.err_path, "w"),
+            env={**os.environ, **(env or {})})
+        self.url: str | None = None
+        self.child_pids: set[int] = set()
+
+    def output(self) -> str:
+        return self.out_path.read_text() + self.err_path.read_text()
+
+    def wait_ready(self, timeout: float = 180.0) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            match = _READY.search(self.out_path.read_text())
+            if match:
+                self.url = match.group(1)
+                self.child_pids = descendants(self.proc.pid)
+                return self.url
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"folio serve exited {self.proc.returncode}:\n"
+                                   f"{self.output()[-4000:]}")
+            time.sleep(0.1)
+        raise TimeoutError(f"folio serve not ready in {timeout}s:\n{self.output()[-4000:]}")
+
+    def pid_of(self, module: str) -> int:
+        """The child running ``python -m <module>``."""
+        for pid in self.child_pids:
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if module.encode() in argv:
+                return pid
+        raise LookupError(module)
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            for pid in self.child_pids:
+                if is_running(pid):
+                    os.kill(pid, signal.SIGKILL)
+            raise
