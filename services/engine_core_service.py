@@ -27,7 +27,7 @@ from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.sampling_params import InvalidRequestError
 from observability.logging import get_logger
 from services.endpoints import engine_core_endpoint, worker_endpoint
-from services.entrypoint import run_service, service_arguments
+from services.entrypoint import StopSignal, run_service, service_arguments
 from services.protocol import (AbortRequest, AddRequest, ExecuteStep, Health, OutputDelta,
                                RequestRejected, StepResult, WorkerReady)
 from services.transport import Endpoint, PeerLink, connect, start_site, websocket_route
@@ -193,13 +193,14 @@ class EngineCoreService:
         return app
 
 
-async def serve(config: FolioConfig, args: argparse.Namespace, stop: asyncio.Event) -> int:
+async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal) -> int:
     """Connect to the worker, listen for API processes, step until SIGTERM or failure."""
     core = EngineCoreService(config, worker_endpoint(config.services))
     await core.connect_worker(timeout=config.services.startup_timeout_s)
     endpoint = engine_core_endpoint(config.services)
     runner = await start_site(core.app(), endpoint, shutdown_timeout=0.5)
     log.info("engine core ready", endpoint=str(endpoint))
+    stop.mark_serving()
     loop_task = asyncio.ensure_future(core.run())
     stop_task = asyncio.ensure_future(stop.wait())
     await asyncio.wait([loop_task, stop_task], return_when=asyncio.FIRST_COMPLETED)

@@ -6,7 +6,8 @@ uvloop, signals, and dying with the supervisor.
     python -m services.api                 --config config/default.yaml [--set k=v ...]
 
 ``serve(config, args, stop)`` is the service's coroutine; ``stop`` is set on SIGTERM or
-SIGINT and the coroutine returns the exit status. A start-up failure (bad config,
+SIGINT (cancelling the start-up if it comes before ``stop.mark_serving()``) and the
+coroutine returns the exit status. A start-up failure (bad config,
 missing model, port in use, unreachable peer) is one line on stderr and exit status 1
 (2 for a config error), never a traceback.
 """
@@ -30,7 +31,19 @@ from observability.logging import configure_logging, get_logger
 SUPERVISOR_ENV = "FOLIO_SUPERVISOR_PID"
 _PR_SET_PDEATHSIG = 1
 
-Serve = Callable[[FolioConfig, argparse.Namespace, asyncio.Event], Awaitable[int]]
+class StopSignal(asyncio.Event):
+    """Set on SIGTERM or SIGINT. Until the service calls ``mark_serving()`` a signal
+    cancels its start-up at once (nothing is in flight yet to drain)."""
+
+    def __init__(self):
+        super().__init__()
+        self.serving = False
+
+    def mark_serving(self) -> None:
+        self.serving = True
+
+
+Serve = Callable[[FolioConfig, argparse.Namespace, StopSignal], Awaitable[int]]
 log = get_logger(__name__)
 
 
@@ -72,11 +85,22 @@ def run_service(name: str, serve: Serve, parser: argparse.ArgumentParser,
     structlog.contextvars.bind_contextvars(service=name)
 
     async def main() -> int:
-        stop = asyncio.Event()
+        stop = StopSignal()
+        task = asyncio.current_task()
+
+        def on_signal() -> None:
+            stop.set()
+            if not stop.serving:
+                task.cancel()
+
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        return await serve(config, args, stop)
+            loop.add_signal_handler(sig, on_signal)
+        try:
+            return await serve(config, args, stop)
+        except asyncio.CancelledError:
+            log.info("stopped during start-up")
+            return 0
 
     try:
         return uvloop.run(main())

@@ -23,14 +23,14 @@ from services.api.app import APIServer
 from services.api.engine_client import EngineClient
 from services.api.tokenizer import Tokenizer
 from services.endpoints import api_admin_endpoint, engine_core_endpoint
-from services.entrypoint import run_service, service_arguments
+from services.entrypoint import StopSignal, run_service, service_arguments
 from services.transport import Endpoint, serve_app
 
 log = get_logger(__name__)
 ENGINE_LOSS_GRACE_S = 2.0  # let error events reach clients before exiting
 
 
-async def serve(config: FolioConfig, args: argparse.Namespace, stop: asyncio.Event) -> int:
+async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal) -> int:
     from worker.model_files import resolve_model_path, served_model_name
     services = config.services
     tokenizer = Tokenizer.from_model_path(config.model.tokenizer
@@ -52,6 +52,7 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: asyncio.Eve
                              handler_cancellation=True)
     log.info("api ready", index=args.index, model=server.model_name,
              max_model_len=info.max_model_len)
+    stop.mark_serving()
     stop_task = asyncio.ensure_future(stop.wait())
     dead_task = asyncio.ensure_future(engine.dead.wait())
     await asyncio.wait([stop_task, dead_task], return_when=asyncio.FIRST_COMPLETED)

@@ -61,7 +61,7 @@ def test_garbage_disconnects_the_peer_but_not_the_service(tmp_path):
                                                       aiohttp.WSMsgType.CLOSED)
             link, session = await connect(endpoint, "client")  # still serving
             await link.send(Health())
-            assert (await link.messages().__anext__()).detail == {"echo": "Health"}
+            assert (await link.messages().__anext__()).detail == {"echo_Health": 1.0}
             await link.close()
             await session.close()
             assert seen == [Health()]

@@ -1,0 +1,87 @@
+"""docker-compose.yml cannot run here (no Docker); what can be checked is: it parses,
+it wires the three services and Jaeger as the README says, and every service command
+and health check in it starts locally, from the repository root, with the very same
+arguments (only environment overrides point it at a tiny model and a free port)."""
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import urllib.request
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+FOLIO_SERVICES = ("worker", "engine-core", "api")
+
+
+@pytest.fixture(scope="module")
+def compose():
+    return yaml.safe_load((REPO / "docker-compose.yml").read_text())
+
+
+def test_compose_wires_three_services_and_jaeger(compose):
+    services = compose["services"]
+    assert set(services) == {*FOLIO_SERVICES, "jaeger"}
+    for name in FOLIO_SERVICES:
+        svc = services[name]
+        assert "./config:/app/config:ro" in svc["volumes"]  # edit the YAML, restart
+        assert "folio-sockets:/run/folio" in svc["volumes"]
+        assert svc["command"][:2] == ["python", "-m"]
+        assert importlib.util.find_spec(svc["command"][2]) is not None
+        assert (REPO / svc["command"][svc["command"].index("--config") + 1]).is_file()
+    assert services["engine-core"]["depends_on"]["worker"]["condition"] == "service_healthy"
+    assert services["api"]["depends_on"]["engine-core"]["condition"] == "service_healthy"
+    assert "8000:8000" in services["api"]["ports"]
+    jaeger = services["jaeger"]
+    assert jaeger["image"].startswith("jaegertracing/")
+    assert jaeger["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+    assert {"16686:16686", "4318:4318"} <= set(jaeger["ports"])
+    docker_cfg = yaml.safe_load((REPO / "config/docker.yaml").read_text())
+    assert docker_cfg["services"]["socket_dir"] == "/run/folio"
+    assert (REPO / "Dockerfile").is_file()
+
+
+def _local(argv):
+    return [sys.executable if argv[0] == "python" else argv[0], *argv[1:]]
+
+
+def test_compose_commands_start_locally_with_the_same_arguments(compose, tiny_llama_dir,
+                                                               default_model_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sockets = tempfile.mkdtemp(prefix="folio-compose-")
+    env = {**os.environ, "FOLIO_SERVICES__SOCKET_DIR": sockets,
+           "FOLIO_SERVICES__API_HOST": "127.0.0.1", "FOLIO_SERVICES__API_PORT": str(port),
+           "FOLIO_MODEL__PATH": str(tiny_llama_dir),
+           "FOLIO_MODEL__TOKENIZER": str(default_model_path),
+           "FOLIO_MODEL__DTYPE": "float32", "FOLIO_MODEL__MAX_MODEL_LEN": "256",
+           "FOLIO_MEMORY__NUM_BLOCKS": "64", "FOLIO_OBSERVABILITY__LOG_LEVEL": "warning"}
+    procs = []
+    try:
+        for name in FOLIO_SERVICES:  # in depends_on order, each healthy before the next
+            svc = compose["services"][name]
+            procs.append(subprocess.Popen(_local(svc["command"]), cwd=REPO, env=env))
+            check = _local(svc["healthcheck"]["test"][1:])
+            deadline = time.monotonic() + 120
+            while subprocess.run(check, cwd=REPO, env=env, capture_output=True).returncode:
+                assert procs[-1].poll() is None, f"{name} exited {procs[-1].returncode}"
+                assert time.monotonic() < deadline, f"{name} never became healthy"
+                time.sleep(0.5)
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", headers={"Content-Type":
+                                                                "application/json"},
+            data=b'{"prompt": "Hello", "max_tokens": 4}')
+        with urllib.request.urlopen(request, timeout=60) as r:
+            assert r.status == 200
+    finally:
+        for p in reversed(procs):
+            p.send_signal(signal.SIGTERM)
+            p.wait(30)
+    assert [p.returncode for p in procs] == [0, 0, 0]
