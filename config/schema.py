@@ -129,21 +129,39 @@ class WorkerConfig:
 
 LOG_FORMATS = ("console", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+OTLP_PROTOCOLS = ("http/protobuf", "grpc")
+TRACE_STEP_DETAILS = ("step", "phase")
 
 
 @dataclass(frozen=True, slots=True)
 class ObservabilityConfig:
-    """Logs (traces and metrics join later)."""
+    """Logs, traces (OpenTelemetry, OTLP) and metrics (Prometheus at the API's /metrics)."""
 
     log_level: str = _f("info", "debug|info|warning|error")
     log_format: str = _f("console", "console (human) or json (one object per line)")
-    log_prompts: bool = _f(False, "allow prompt and completion text in logs")
+    log_prompts: bool = _f(False, "allow prompt and completion text in logs and spans")
+    otlp_endpoint: str | None = _f(None, "OTLP collector for traces, e.g. "
+                                   "http://localhost:4318 (http/protobuf) or "
+                                   "http://localhost:4317 (grpc); null turns tracing off")
+    otlp_protocol: str = _f("http/protobuf", "http/protobuf or grpc")
+    trace_sample_ratio: float = _f(1.0, "fraction of requests traced (a client's sampled "
+                                   "traceparent is always followed)")
+    trace_step_detail: str = _f("step", "per-request engine spans: 'step' (one per engine "
+                                "step) or 'phase' (one for prefill, one for decode); see "
+                                "README for the measured cost of each")
+    enable_metrics: bool = _f(True, "serve Prometheus metrics at the API's /metrics")
 
     def __post_init__(self):
         _check(self.log_level in LOG_LEVELS, "observability.log_level",
                f"must be one of {LOG_LEVELS}")
         _check(self.log_format in LOG_FORMATS, "observability.log_format",
                f"must be one of {LOG_FORMATS}")
+        _check(self.otlp_protocol in OTLP_PROTOCOLS, "observability.otlp_protocol",
+               f"must be one of {OTLP_PROTOCOLS}")
+        _check(0.0 <= self.trace_sample_ratio <= 1.0, "observability.trace_sample_ratio",
+               "must be in [0, 1]")
+        _check(self.trace_step_detail in TRACE_STEP_DETAILS, "observability.trace_step_detail",
+               f"must be one of {TRACE_STEP_DETAILS}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -124,6 +124,7 @@ class Scheduler:
     def _preempt(self, victim: Request, plan: StepPlan) -> None:
         plan.unschedule(victim)
         plan.has_preemption = True
+        plan.preempted_req_ids.append(victim.req_id)
         self.running.remove(victim)
         # free() reads num_computed_tokens (start of step) before it is reset.
         self.kv_cache_manager.free(victim)

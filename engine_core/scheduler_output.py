@@ -63,6 +63,8 @@ class SchedulerOutput:
     blocks_to_copy: list[BlockCopy] = field(default_factory=list)
     # Prefix-cache hit tokens for requests scheduled for the first time this step.
     num_cached_tokens: dict[str, int] = field(default_factory=dict)
+    # Requests preempted (KV blocks reclaimed, to be recomputed) while planning this step.
+    preempted_req_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

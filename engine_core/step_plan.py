@@ -23,6 +23,7 @@ class StepPlan:
     # req_id -> (request, block ids appended this step)
     cached_reqs: dict[str, tuple[Request, list[int]]] = field(default_factory=dict)
     has_preemption: bool = False
+    preempted_req_ids: list[str] = field(default_factory=list)
 
     def _take(self, request: Request, num_tokens: int) -> None:
         if num_tokens <= 0 or num_tokens > self.token_budget:
@@ -73,4 +74,4 @@ class StepPlan:
             num_scheduled_tokens=dict(self.num_scheduled_tokens),
             total_num_scheduled_tokens=sum(self.num_scheduled_tokens.values()),
             finished_req_ids=finished_req_ids, blocks_to_copy=blocks_to_copy,
-            num_cached_tokens=num_cached)
+            num_cached_tokens=num_cached, preempted_req_ids=list(self.preempted_req_ids))

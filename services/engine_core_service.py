@@ -28,8 +28,11 @@ from engine_core.sampling_params import InvalidRequestError
 from observability.logging import get_logger
 from services.endpoints import engine_core_endpoint, worker_endpoint
 from services.entrypoint import StopSignal, run_service, service_arguments
-from services.protocol import (AbortRequest, AddRequest, ExecuteStep, Health, OutputDelta,
-                               RequestRejected, StepResult, WorkerReady)
+from observability.tracing import Tracing
+from services.engine_observer import EngineObserver
+from services.protocol import (AbortRequest, AddRequest, ExecuteStep, GetMetrics, Health,
+                               Metrics, OutputDelta, RequestRejected, StepResult,
+                               WorkerReady)
 from services.transport import Endpoint, PeerLink, connect, start_site, websocket_route
 
 log = get_logger(__name__)
@@ -42,8 +45,11 @@ class WorkerFailure(RuntimeError):
 class EngineCoreService:
     """Wraps EngineCore (does not reimplement it); routes deltas to their API client."""
 
-    def __init__(self, config: FolioConfig, worker_endpoint: Endpoint):
+    def __init__(self, config: FolioConfig, worker_endpoint: Endpoint,
+                 tracing: Tracing | None = None):
         self.config = config
+        self.tracing = tracing
+        self.observer: EngineObserver | None = None  # made once the worker is known
         self.worker_endpoint = worker_endpoint
         self.engine: EngineCore | None = None
         self._worker: PeerLink | None = None
@@ -73,6 +79,11 @@ class EngineCoreService:
                                  vocab_size=ready.vocab_size)
         self._reader = asyncio.get_running_loop().create_task(self._read_worker(messages))
         self.ready = ready
+        from worker.model_files import served_model_name
+        self.observer = EngineObserver(
+            self.config, served_model_name(self.config.model.path,
+                                           self.config.model.served_model_name),
+            self.tracing)
         log.info("worker connected", num_blocks=ready.num_blocks,
                  max_model_len=ready.max_model_len)
         return ready
@@ -93,6 +104,8 @@ class EngineCoreService:
                     self._wake.set()
                 elif isinstance(message, Health):
                     await link.send(Health(self.failure is None, self.health_detail()))
+                elif isinstance(message, GetMetrics):
+                    await link.send(Metrics(self.observer.render_metrics()))
         finally:
             self._clients.discard(link)
         aborted = [r for r, owner in self._owner.items() if owner is link]
@@ -132,10 +145,13 @@ class EngineCoreService:
                 continue
             for sample_id in sample_ids:
                 self._owner[sample_id] = link
+            self.observer.on_add(message, sample_ids)
 
-    async def _execute(self, scheduler_output) -> ModelRunnerOutput:
+    async def _execute(self, scheduler_output, traceparent: str | None,
+                       request_traceparents: dict[str, str]) -> ModelRunnerOutput:
         step_id = next(self._step_ids)
-        await self._worker.send(ExecuteStep(step_id, scheduler_output))
+        await self._worker.send(ExecuteStep(step_id, scheduler_output, traceparent,
+                                            request_traceparents))
         reply = await self._worker_replies.get()
         if reply is None:
             raise WorkerFailure("the worker closed its link")
@@ -168,10 +184,13 @@ class EngineCoreService:
                     self.last_step_time = time.monotonic()  # idle time is not a stall
                 await self._apply_inbox()
                 scheduler_output = self.engine.begin_step()
-                runner_output = (await self._execute(scheduler_output)
+                traceparents = self.observer.begin_step(scheduler_output)
+                runner_output = (await self._execute(scheduler_output, *traceparents)
                                  if self.engine.needs_worker(scheduler_output)
                                  else ModelRunnerOutput())
-                await self._route(self.engine.end_step(scheduler_output, runner_output))
+                outputs = self.engine.end_step(scheduler_output, runner_output)
+                self.observer.end_step(scheduler_output, outputs, self.engine)
+                await self._route(outputs)
                 self.num_steps += 1
                 self.last_step_time = time.monotonic()
                 await asyncio.sleep(0)  # let client handlers queue their messages
@@ -195,7 +214,8 @@ class EngineCoreService:
 
 async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal) -> int:
     """Connect to the worker, listen for API processes, step until SIGTERM or failure."""
-    core = EngineCoreService(config, worker_endpoint(config.services))
+    tracing = Tracing(config.observability, "engine-core")
+    core = EngineCoreService(config, worker_endpoint(config.services), tracing)
     await core.connect_worker(timeout=config.services.startup_timeout_s)
     endpoint = engine_core_endpoint(config.services)
     runner = await start_site(core.app(), endpoint, shutdown_timeout=0.5)
@@ -213,6 +233,7 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
     stop_task.cancel()
     await core.close()
     await runner.cleanup()
+    tracing.shutdown()
     return status
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import dataclasses
 import os
 import signal
 import sys
@@ -83,6 +84,7 @@ def run_service(name: str, serve: Serve, parser: argparse.ArgumentParser,
         return 2
     configure_logging(config.observability.log_level, config.observability.log_format)
     structlog.contextvars.bind_contextvars(service=name)
+    log.info("config resolved", config=dataclasses.asdict(config))
 
     async def main() -> int:
         stop = StopSignal()

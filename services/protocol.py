@@ -60,10 +60,16 @@ class OutputDelta:
 
 @dataclass(slots=True)
 class ExecuteStep:
-    """Engine core → worker: one step's plan (diffs only)."""
+    """Engine core → worker: one step's plan (diffs only).
+
+    ``traceparent`` names the engine-step span when the step is traced;
+    ``request_traceparents`` the engine span of each traced request the worker sees
+    for the first time (new, or resumed after preemption)."""
 
     step_id: int
     scheduler_output: SchedulerOutput
+    traceparent: str | None = None
+    request_traceparents: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -105,6 +111,18 @@ class Health:
 
 
 @dataclass(slots=True)
+class GetMetrics:
+    """API → engine core: ask for the Prometheus text of the engine's metrics."""
+
+
+@dataclass(slots=True)
+class Metrics:
+    """Engine core → API: Prometheus text exposition of every engine-side metric."""
+
+    text: str
+
+
+@dataclass(slots=True)
 class Shutdown:
     """Ask the peer to drain and exit."""
 
@@ -113,7 +131,7 @@ class Shutdown:
 
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
     AddRequest, AbortRequest, OutputDelta, RequestRejected, ExecuteStep, StepResult,
-    WorkerReady, Health, Shutdown)}
+    WorkerReady, Health, GetMetrics, Metrics, Shutdown)}
 
 
 def _to_plain(value: Any) -> Any:

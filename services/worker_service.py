@@ -19,6 +19,7 @@ from aiohttp import web
 
 from config.schema import FolioConfig
 from observability.logging import get_logger
+from observability.tracing import Tracing, context_from_traceparent
 from services.endpoints import worker_endpoint
 from services.entrypoint import StopSignal, run_service, service_arguments
 from services.protocol import ExecuteStep, Health, Shutdown, StepResult, WorkerReady
@@ -30,7 +31,7 @@ log = get_logger(__name__)
 class WorkerService:
     """Owns one ModelRunner; serves ExecuteStep, Health and Shutdown."""
 
-    def __init__(self, config: FolioConfig):
+    def __init__(self, config: FolioConfig, tracing: Tracing | None = None):
         from services.api.tokenizer import Tokenizer
         from worker.model_files import resolve_model_path
         from worker.model_runner import ModelRunner
@@ -49,6 +50,7 @@ class WorkerService:
             max_model_len=self.runner.max_model_len, vocab_size=self.runner.arch.vocab_size,
             eos_token_ids=list(dict.fromkeys((*self.runner.eos_token_ids,
                                               *tokenizer.eos_token_ids))))
+        self.tracer = tracing.tracer if tracing is not None else None
         self.shutdown_requested = asyncio.Event()
         self.num_steps = 0
 
@@ -69,6 +71,7 @@ class WorkerService:
                 log.warning("unexpected message for the worker", type=type(message).__name__)
 
     def _execute(self, message: ExecuteStep) -> StepResult:
+        start_ns = time.time_ns()
         try:
             output = self.runner.execute_model(message.scheduler_output)
         except Exception as e:  # reported to the engine core, which fails loudly
@@ -77,7 +80,38 @@ class WorkerService:
             from engine_core.outputs import ModelRunnerOutput
             return StepResult(message.step_id, ModelRunnerOutput(), error=repr(e))
         self.num_steps += 1
+        if self.tracer is not None and (message.traceparent or message.request_traceparents):
+            self._trace_step(message, start_ns, time.time_ns())
         return StepResult(message.step_id, output)
+
+    def _trace_step(self, message: ExecuteStep, start_ns: int, end_ns: int) -> None:
+        """worker.execute under the engine-step span; worker.add_request under the engine
+        span of each request whose state this step created."""
+        so, timing = message.scheduler_output, self.runner.last_timing
+        if message.traceparent:
+            self.tracer.start_span(
+                "worker.execute", context=context_from_traceparent(message.traceparent),
+                start_time=start_ns, attributes={
+                    "folio.step_id": message.step_id,
+                    "folio.batch_size": len(so.num_scheduled_tokens),
+                    "folio.num_tokens": so.total_num_scheduled_tokens,
+                    "folio.num_new_requests": len(so.scheduled_new_reqs),
+                    "folio.prepare_seconds": timing.prepare_seconds,
+                    "folio.forward_seconds": timing.forward_seconds,
+                    "folio.sample_seconds": timing.sample_seconds}).end(end_time=end_ns)
+        prepared_ns = start_ns + int(timing.prepare_seconds * 1e9)
+        new = {r.req_id: r for r in so.scheduled_new_reqs}
+        for req_id, traceparent in message.request_traceparents.items():
+            data = new.get(req_id)
+            attributes = {"folio.request_id": req_id, "folio.step_id": message.step_id}
+            if data is not None:
+                attributes.update({"folio.num_tokens": len(data.token_ids),
+                                   "folio.num_blocks": len(data.block_ids),
+                                   "folio.is_resumed": data.num_output_tokens > 0})
+            self.tracer.start_span("worker.add_request",
+                                   context=context_from_traceparent(traceparent),
+                                   start_time=start_ns,
+                                   attributes=attributes).end(end_time=prepared_ns)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "num_steps": self.num_steps,
@@ -93,7 +127,8 @@ class WorkerService:
 async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal) -> int:
     """Load the model, listen, and serve until SIGTERM or a Shutdown message."""
     t0 = time.perf_counter()
-    worker = WorkerService(config)
+    tracing = Tracing(config.observability, "worker")
+    worker = WorkerService(config, tracing)
     endpoint = worker_endpoint(config.services)
     runner = await start_site(worker.app(), endpoint)
     log.info("worker ready", endpoint=str(endpoint), num_blocks=worker.num_blocks,
@@ -108,6 +143,7 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
     for w in waits:
         w.cancel()
     await runner.cleanup()
+    tracing.shutdown()
     return 0
 
 

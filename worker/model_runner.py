@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +22,15 @@ from worker.sampling_metadata import SamplingMetadata
 log = get_logger(__name__)
 
 
+@dataclass(slots=True)
+class StepTiming:
+    """Where one step's time went: building the batch, the forward pass, sampling."""
+
+    prepare_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    sample_seconds: float = 0.0
+
+
 class ModelRunner:
     """Keeps per-request state across steps and runs one flat batch per step.
 
@@ -33,6 +43,7 @@ class ModelRunner:
         self.model_config = model_config
         self.worker_config = worker_config
         self.memory_config = memory_config
+        self.last_timing = StepTiming()
         if worker_config.num_threads:
             torch.set_num_threads(worker_config.num_threads)
         self.device = resolve_device(worker_config.device)
@@ -108,7 +119,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step; returns the tokens sampled for requests that reached their end."""
+        """Run one step; returns the tokens sampled for requests that reached their end.
+
+        ``last_timing`` then holds where the step's time went (CPU wall clock)."""
+        t0 = time.perf_counter()
+        timing = self.last_timing = StepTiming()
         self._update_states(so)
         copy_blocks(self.kv_caches, [c.src for c in so.blocks_to_copy],
                     [c.dst for c in so.blocks_to_copy])
@@ -119,13 +134,18 @@ class ModelRunner:
         batch = build_input_batch(states, [so.num_scheduled_tokens[r] for r in req_ids],
                                   self.block_size, self.arch.sliding_window,
                                   self.use_native_decode)
+        t1 = time.perf_counter()
+        timing.prepare_seconds = t1 - t0
         hidden = self.model(batch.input_ids.to(self.device), batch.positions.to(self.device),
                             self.kv_caches, batch.attn)
         for state, n in zip(states, (so.num_scheduled_tokens[r] for r in req_ids)):
             state.num_computed_tokens += n
         if not batch.sampling_states:
+            timing.forward_seconds = time.perf_counter() - t1
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[batch.logits_indices])
+        t2 = time.perf_counter()
+        timing.forward_seconds = t2 - t1
         sampling = batch.sampling_states
         md = SamplingMetadata.build(
             [s.sampling_params for s in sampling], [s.generator for s in sampling],
@@ -135,6 +155,7 @@ class ModelRunner:
         token_list = tokens.tolist()
         for state, token in zip(sampling, token_list):
             state.token_ids.append(token)
+        timing.sample_seconds = time.perf_counter() - t2
         return ModelRunnerOutput(req_ids=[s.req_id for s in sampling],
                                  sampled_token_ids=[[t] for t in token_list],
                                  logprobs=[[lp] if lp is not None else None for lp in logprobs])

@@ -13,9 +13,11 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+import structlog
 from aiohttp import web
 
 from engine_core.outputs import EngineCoreOutput
+from observability.logging import get_logger
 from services.api.chat_template import ChatTemplateError
 from services.api.detokenizer import IncrementalDetokenizer
 from services.api.engine_client import EngineClient, EngineDead
@@ -24,10 +26,12 @@ from services.api.openai_protocol import (APIError, bad, check_stream_options,
                                           unavailable)
 from services.api.response_format import (chat_chunk, chat_response, completion_chunk,
                                           completion_response, usage)
+from services.api.request_trace import RequestTrace
 from services.api.tokenizer import Tokenizer
 from services.protocol import RequestRejected
 
 VERSION = "0.1.0"
+log = get_logger("services.api")
 
 
 @dataclass(slots=True)
@@ -45,8 +49,10 @@ class APIServer:
     """Routes of one API process, sharing one EngineClient and one Tokenizer."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str,
-                 max_model_len: int):
+                 max_model_len: int, tracer=None, enable_metrics: bool = True):
         self.engine, self.tokenizer = engine, tokenizer
+        self.tracer = tracer  # an OpenTelemetry tracer, or None when tracing is off
+        self.enable_metrics = enable_metrics
         self.model_name, self.max_model_len = model_name, max_model_len
         self.num_in_flight = 0  # generation requests being served now
         self.draining = False  # set on SIGTERM: finish what runs, refuse new work
@@ -74,6 +80,7 @@ class APIServer:
         app.router.add_post("/detokenize", self.detokenize)
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
+        app.router.add_get("/metrics", self.metrics)
         return app
 
     @web.middleware
@@ -126,16 +133,12 @@ class APIServer:
         include_usage = check_stream_options(body)
         params = sampling_params_from(body, chat=False)
         prompt = completion_prompt(body)
-        ids = self._check_ids(self.tokenizer.encode(prompt) if isinstance(prompt, str)
-                              else prompt)
-        req_id = f"cmpl-{uuid.uuid4().hex}"
-        fmt = dict(req_id=req_id, model=self.model_name, created=int(time.time()))
-        if body.get("stream"):
-            return await self._stream(request, req_id, ids, params, include_usage,
-                                      lambda d: completion_chunk(d, self.tokenizer, **fmt),
-                                      fmt=fmt, chat=False)
-        samples = await self._collect(request, req_id, ids, params)
-        return web.json_response(completion_response(samples, len(ids), self.tokenizer, **fmt))
+
+        def tokenize() -> list[int]:
+            return self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+
+        return await self._generate(request, body, params, include_usage, tokenize,
+                                    chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -144,22 +147,54 @@ class APIServer:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise bad("'messages' must be a non-empty list", "messages")
-        try:
-            text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=body.get("add_generation_prompt", True))
-        except ChatTemplateError as e:
-            raise bad(str(e), "messages") from None
-        ids = self._check_ids(self.tokenizer.encode(text, add_special_tokens=False))
-        req_id = f"chatcmpl-{uuid.uuid4().hex}"
-        fmt = dict(req_id=req_id, model=self.model_name, created=int(time.time()))
-        if body.get("stream"):
-            return await self._stream(request, req_id, ids, params, include_usage,
-                                      lambda d: chat_chunk(d, self.tokenizer, **fmt),
-                                      fmt=fmt, chat=True)
-        samples = await self._collect(request, req_id, ids, params)
-        return web.json_response(chat_response(samples, len(ids), self.tokenizer, **fmt))
 
-    async def _deltas(self, request, req_id, ids, params):
+        def tokenize() -> list[int]:
+            try:
+                text = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=body.get("add_generation_prompt", True))
+            except ChatTemplateError as e:
+                raise bad(str(e), "messages") from None
+            return self.tokenizer.encode(text, add_special_tokens=False)
+
+        return await self._generate(request, body, params, include_usage, tokenize,
+                                    chat=True)
+
+    async def _generate(self, request, body, params, include_usage, tokenize,
+                        chat: bool) -> web.StreamResponse:
+        """Tokenize, run and answer one request under its trace and log context."""
+        operation, prefix = ("chat", "chatcmpl") if chat else ("text_completion", "cmpl")
+        req_id = f"{prefix}-{uuid.uuid4().hex}"
+        trace = RequestTrace(self.tracer, operation, self.model_name, req_id,
+                             request.headers.get("traceparent"), params)
+        stream = bool(body.get("stream"))
+        error = None
+        with structlog.contextvars.bound_contextvars(request_id=req_id,
+                                                     trace_id=trace.trace_id):
+            try:
+                with trace.tokenize():
+                    ids = self._check_ids(tokenize())
+                log.info("request received", operation=operation, num_prompt_tokens=len(ids),
+                         max_tokens=params.max_tokens, n=params.n, stream=stream)
+                trace.start_respond(len(ids), stream)
+                fmt = dict(req_id=req_id, model=self.model_name, created=int(time.time()))
+                chunk, response = (chat_chunk, chat_response) if chat else (completion_chunk,
+                                                                            completion_response)
+                if stream:
+                    return await self._stream(request, req_id, ids, params, include_usage,
+                                              lambda d: chunk(d, self.tokenizer, **fmt),
+                                              fmt=fmt, chat=chat, trace=trace)
+                samples = await self._collect(request, req_id, ids, params, trace)
+                return web.json_response(response(samples, len(ids), self.tokenizer, **fmt))
+            except BaseException as e:
+                error = e
+                raise
+            finally:
+                trace.finish(error)
+                log.info("request finished", finish_reasons=trace.finish_reasons,
+                         num_output_tokens=trace.num_output_tokens,
+                         error=type(error).__name__ if error is not None else None)
+
+    async def _deltas(self, request, req_id, ids, params, trace: RequestTrace):
         """Yield SampleDelta objects until every sample has finished."""
         sample_ids = [req_id] if params.n == 1 else [f"{i}_{req_id}" for i in range(params.n)]
         detoks = [IncrementalDetokenizer(self.tokenizer, ids,
@@ -168,7 +203,7 @@ class APIServer:
                                          include_stop_str_in_output=params.include_stop_str_in_output)
                   for _ in sample_ids]
         live = set(range(len(sample_ids)))
-        queue = await self.engine.add(req_id, ids, params)
+        queue = await self.engine.add(req_id, ids, params, trace.traceparent)
         try:
             while live:
                 item = await queue.get()
@@ -176,7 +211,12 @@ class APIServer:
                     raise EngineDead("the engine core went away")
                 if isinstance(item, RequestRejected):
                     raise bad(item.message, item.param)
+                trace.on_tokens(len(item.new_token_ids))
+                t0 = time.perf_counter()
                 delta = self._advance(item, detoks[item.index], live)
+                trace.detokenize_seconds += time.perf_counter() - t0
+                if delta.finish_reason is not None:
+                    trace.finish_reasons.append(delta.finish_reason)
                 if delta.finish_reason == "stop" and item.finish_reason is None:
                     await self.engine.abort([sample_ids[item.index]])  # stop string
                 yield delta
@@ -201,10 +241,11 @@ class APIServer:
         return SampleDelta(out.index, text, list(out.new_token_ids), out.new_logprobs or [],
                            finish)
 
-    async def _collect(self, request, req_id, ids, params) -> list[SampleDelta]:
+    async def _collect(self, request, req_id, ids, params, trace) -> list[SampleDelta]:
         samples = [SampleDelta(i, "", []) for i in range(params.n)]
         # aclosing: leaving early (client gone, handler cancelled) aborts at once
-        async with contextlib.aclosing(self._deltas(request, req_id, ids, params)) as deltas:
+        async with contextlib.aclosing(self._deltas(request, req_id, ids, params,
+                                                    trace)) as deltas:
             async for d in deltas:
                 s = samples[d.index]
                 s.text += d.text
@@ -216,8 +257,8 @@ class APIServer:
         return samples
 
     async def _stream(self, request, req_id, ids, params, include_usage, render, fmt,
-                      chat) -> web.StreamResponse:
-        gen = self._deltas(request, req_id, ids, params)
+                      chat, trace) -> web.StreamResponse:
+        gen = self._deltas(request, req_id, ids, params, trace)
         try:
             return await self._write_stream(request, gen, req_id, ids, params,
                                             include_usage, render, fmt, chat)
@@ -295,6 +336,18 @@ class APIServer:
         if not reply.ok:
             raise unavailable("the engine core has failed")
         return web.json_response({"status": "ok", "engine": reply.detail})
+
+    async def metrics(self, request) -> web.Response:
+        """Prometheus text: the engine core's metrics, the same from every API process."""
+        if not self.enable_metrics:
+            raise APIError(404, "metrics are off (observability.enable_metrics)",
+                           "not_found_error")
+        try:
+            text = await self.engine.metrics()
+        except (EngineDead, asyncio.TimeoutError):
+            raise unavailable("the engine core is unavailable")
+        return web.Response(text=text, content_type="text/plain",
+                            headers={"X-Prometheus-Format": "0.0.4"})
 
     async def version(self, request) -> web.Response:
         return web.json_response({"version": VERSION})

@@ -6,8 +6,8 @@ import time
 from collections import deque
 
 from engine_core.sampling_params import SamplingParams
-from services.protocol import (AbortRequest, AddRequest, Health, OutputDelta, ProtocolError,
-                               RequestRejected, WorkerReady)
+from services.protocol import (AbortRequest, AddRequest, GetMetrics, Health, Metrics,
+                               OutputDelta, ProtocolError, RequestRejected, WorkerReady)
 from services.transport import Endpoint, PeerLink, connect
 
 
@@ -29,7 +29,8 @@ class EngineClient:
         self._link: PeerLink | None = None
         self._session = None
         self._queues: dict[str, asyncio.Queue] = {}
-        self._health_waiters: deque[asyncio.Future] = deque()
+        # replies to Health / GetMetrics come back in order on the one link
+        self._waiters: dict[type, deque[asyncio.Future]] = {Health: deque(), Metrics: deque()}
         self._reader: asyncio.Task | None = None
         self.model_info: WorkerReady | None = None
         self.alive = False
@@ -59,40 +60,47 @@ class EngineClient:
                 queue = self._queues.get(message.req_id)
                 if queue is not None:
                     queue.put_nowait(message)
-            elif isinstance(message, Health) and self._health_waiters:
-                waiter = self._health_waiters.popleft()
+            elif isinstance(message, (Health, Metrics)) and self._waiters[type(message)]:
+                waiter = self._waiters[type(message)].popleft()
                 if not waiter.done():
                     waiter.set_result(message)
         self.alive = False
         self.dead.set()
         for queue in self._queues.values():
             queue.put_nowait(None)
-        for waiter in self._health_waiters:
+        for waiter in (w for waiters in self._waiters.values() for w in waiters):
             if not waiter.done():
                 waiter.set_exception(EngineDead("the engine core went away"))
 
-    async def add(self, req_id: str, prompt_token_ids: list[int],
-                  params: SamplingParams) -> asyncio.Queue:
+    async def add(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                  traceparent: str | None = None) -> asyncio.Queue:
         if not self.alive:
             raise EngineDead("the engine core is not reachable")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[req_id] = queue
         await self._link.send(AddRequest(req_id, prompt_token_ids, params, self.client_id,
-                                         time.time()))
+                                         time.time(), traceparent=traceparent))
         return queue
 
     async def abort(self, req_ids: list[str]) -> None:
         if self.alive and req_ids:
             await self._link.send(AbortRequest(req_ids))
 
-    async def health(self, timeout: float = 5.0) -> Health:
-        """The engine core's own answer (its gauges); EngineDead or TimeoutError if none."""
+    async def _ask(self, question, reply_type: type, timeout: float):
         if not self.alive:
             raise EngineDead("the engine core is not reachable")
         waiter = asyncio.get_running_loop().create_future()
-        self._health_waiters.append(waiter)
-        await self._link.send(Health())
+        self._waiters[reply_type].append(waiter)
+        await self._link.send(question)
         return await asyncio.wait_for(waiter, timeout)
+
+    async def health(self, timeout: float = 5.0) -> Health:
+        """The engine core's own answer (its gauges); EngineDead or TimeoutError if none."""
+        return await self._ask(Health(), Health, timeout)
+
+    async def metrics(self, timeout: float = 5.0) -> str:
+        """The engine core's Prometheus text."""
+        return (await self._ask(GetMetrics(), Metrics, timeout)).text
 
     def forget(self, req_id: str) -> None:
         self._queues.pop(req_id, None)

@@ -19,6 +19,7 @@ import sys
 
 from config.schema import FolioConfig
 from observability.logging import get_logger
+from observability.tracing import Tracing
 from services.api.app import APIServer
 from services.api.engine_client import EngineClient
 from services.api.tokenizer import Tokenizer
@@ -37,9 +38,11 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
                                           or resolve_model_path(config.model.path))
     engine = EngineClient(engine_core_endpoint(services), f"api-{args.index}-{os.getpid()}")
     info = await engine.start(timeout=services.startup_timeout_s)
+    tracing = Tracing(config.observability, "api")
     server = APIServer(engine, tokenizer,
                        served_model_name(config.model.path, config.model.served_model_name),
-                       info.max_model_len)
+                       info.max_model_len, tracer=tracing.tracer,
+                       enable_metrics=config.observability.enable_metrics)
     admin = api_admin_endpoint(services, args.index)
     endpoints = [admin] if admin is not None else []
     sockets = []
@@ -69,6 +72,7 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
     dead_task.cancel()
     await runner.cleanup()
     await engine.close()
+    tracing.shutdown()
     return status
 
 
