@@ -12,21 +12,16 @@ ignore_eos, greedy, all submitted at once. Over HTTP the prompts go as token ids
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import re
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
-
-import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.offline_throughput import make_workload  # noqa: E402
+from benchmarks.serve_stack import run_served  # noqa: E402
 
 
 def engine_settings(args) -> dict:
@@ -54,56 +49,10 @@ def run_in_process(reqs, args) -> dict:
     return {"seconds": elapsed, "output_tokens": num_out}
 
 
-async def _post_all(url, reqs, stream: bool) -> int:
-    import aiohttp
-
-    async def one(session, ids, n):
-        body = {"prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True,
-                "stream": stream}
-        if stream:
-            body["stream_options"] = {"include_usage": True}
-        async with session.post(url + "/v1/completions", json=body) as r:
-            if r.status != 200:
-                raise RuntimeError(f"HTTP {r.status}: {await r.text()}")
-            if not stream:
-                return (await r.json())["usage"]["completion_tokens"]
-            tokens = 0
-            async for line in r.content:
-                if line.startswith(b"data: {") and b'"usage": {' in line:
-                    tokens = json.loads(line[6:])["usage"]["completion_tokens"]
-            return tokens
-
-    timeout = aiohttp.ClientTimeout(total=None)
-    async with aiohttp.ClientSession(timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=0)) as session:
-        counts = await asyncio.gather(*(one(session, ids, n) for ids, n in reqs))
-    return sum(counts)
-
-
 def run_services(reqs, args) -> dict:
     settings = engine_settings(args)
-    settings["services"] = {"api_port": 0, "num_api_servers": args.num_api_servers}
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "folio.yaml"
-        config.write_text(yaml.safe_dump(settings))
-        out = Path(tmp) / "serve.out"
-        proc = subprocess.Popen([sys.executable, "-m", "folio.cli", "serve", "--config",
-                                 str(config)], cwd=REPO, stdout=open(out, "w"))
-        try:
-            url = None
-            while url is None:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"folio serve exited {proc.returncode}")
-                match = re.search(r"API listening on (http://\S+)", out.read_text())
-                url = match.group(1) if match else time.sleep(0.2)
-            asyncio.run(_post_all(url, reqs[:2], args.stream))  # warm-up
-            t0 = time.perf_counter()
-            num_out = asyncio.run(_post_all(url, reqs, args.stream))
-            elapsed = time.perf_counter() - t0
-        finally:
-            proc.terminate()
-            proc.wait(60)
-    return {"seconds": elapsed, "output_tokens": num_out}
+    settings["services"] = {"num_api_servers": args.num_api_servers}
+    return run_served(settings, reqs, args.stream)
 
 
 def main() -> int:
@@ -132,7 +81,7 @@ def main() -> int:
         for name, run in (runs if repeat % 2 == 0 else runs[::-1]):  # alternate the order
             r = run(reqs, args)
             assert r["output_tokens"] == expected, f"{name}: {r['output_tokens']} != {expected}"
-            r["output_tokens_per_s"] = r["output_tokens"] / r["seconds"]
+            r.setdefault("output_tokens_per_s", r["output_tokens"] / r["seconds"])
             results[name].append(r)
             print(f"{name:>10}: {r['output_tokens']} tokens in {r['seconds']:.1f}s = "
                   f"{r['output_tokens_per_s']:.1f} output tok/s", flush=True)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
-import dataclasses
 import os
 import signal
 import sys
@@ -25,7 +24,7 @@ from collections.abc import Awaitable, Callable
 import structlog
 import uvloop
 
-from config.loader import load_config, parse_set_overrides
+from config.loader import config_to_dict, load_config, parse_set_overrides
 from config.schema import ConfigError, FolioConfig
 from observability.logging import configure_logging, get_logger
 
@@ -84,7 +83,7 @@ def run_service(name: str, serve: Serve, parser: argparse.ArgumentParser,
         return 2
     configure_logging(config.observability.log_level, config.observability.log_format)
     structlog.contextvars.bind_contextvars(service=name)
-    log.info("config resolved", config=dataclasses.asdict(config))
+    log.info("config resolved", config=config_to_dict(config))
 
     async def main() -> int:
         stop = StopSignal()

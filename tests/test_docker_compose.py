@@ -12,9 +12,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import pytest
 import urllib.request
+
+import pytest
 import yaml
+
+from observability.otlp_receiver import OTLPReceiver
 
 REPO = Path(__file__).resolve().parents[1]
 FOLIO_SERVICES = ("worker", "engine-core", "api")
@@ -44,6 +47,7 @@ def test_compose_wires_three_services_and_jaeger(compose):
     assert {"16686:16686", "4318:4318"} <= set(jaeger["ports"])
     docker_cfg = yaml.safe_load((REPO / "config/docker.yaml").read_text())
     assert docker_cfg["services"]["socket_dir"] == "/run/folio"
+    assert docker_cfg["observability"]["otlp_endpoint"] == "http://jaeger:4318"
     assert (REPO / "Dockerfile").is_file()
 
 
@@ -53,6 +57,7 @@ def _local(argv):
 
 def test_compose_commands_start_locally_with_the_same_arguments(compose, tiny_llama_dir,
                                                                default_model_path):
+    receiver = OTLPReceiver()  # stands in for the jaeger container
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -62,7 +67,8 @@ def test_compose_commands_start_locally_with_the_same_arguments(compose, tiny_ll
            "FOLIO_MODEL__PATH": str(tiny_llama_dir),
            "FOLIO_MODEL__TOKENIZER": str(default_model_path),
            "FOLIO_MODEL__DTYPE": "float32", "FOLIO_MODEL__MAX_MODEL_LEN": "256",
-           "FOLIO_MEMORY__NUM_BLOCKS": "64", "FOLIO_OBSERVABILITY__LOG_LEVEL": "warning"}
+           "FOLIO_MEMORY__NUM_BLOCKS": "64", "FOLIO_OBSERVABILITY__LOG_LEVEL": "warning",
+           "FOLIO_OBSERVABILITY__OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "200"}
     procs = []
     try:
         for name in FOLIO_SERVICES:  # in depends_on order, each healthy before the next
@@ -80,8 +86,12 @@ def test_compose_commands_start_locally_with_the_same_arguments(compose, tiny_ll
             data=b'{"prompt": "Hello", "max_tokens": 4}')
         with urllib.request.urlopen(request, timeout=60) as r:
             assert r.status == 200
+        # the compose config traces: the spans reach the collector it names
+        receiver.wait_for(lambda spans: {"folio-api", "folio-engine-core", "folio-worker"}
+                          <= {s.service for s in spans})
     finally:
         for p in reversed(procs):
             p.send_signal(signal.SIGTERM)
             p.wait(30)
+    receiver.close()
     assert [p.returncode for p in procs] == [0, 0, 0]

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import yaml
 
+from observability.process_stats import command_line, descendants, is_running  # noqa: F401
+
 REPO = Path(__file__).resolve().parents[2]
 _READY = re.compile(r"API listening on (http://\S+)")
 
@@ -29,33 +31,6 @@ def write_config(path: Path, model_path: str, tokenizer_path: str | None = None,
         tree.setdefault(name, {}).update(values)
     path.write_text(yaml.safe_dump(tree))
     return path
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found, todo = set(), [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.add(child)
-            todo.append(child)
-    return found
-
-
-def is_running(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 class ServeProcess:
@@ -91,11 +66,7 @@ class ServeProcess:
     def pid_of(self, module: str) -> int:
         """The child running ``python -m <module>``."""
         for pid in self.child_pids:
-            try:
-                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if module.encode() in argv:
+            if module in command_line(pid):
                 return pid
         raise LookupError(module)
 

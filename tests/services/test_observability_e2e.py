@@ -11,7 +11,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.services.otlp_receiver import OTLPReceiver
+from observability.otlp_receiver import OTLPReceiver
+from observability.trace_tree import format_tree
 from tests.services.serve_process import ServeProcess, write_config
 from tests.services.test_serve_e2e import MODEL
 from services.transport import Endpoint
@@ -77,6 +78,10 @@ def test_one_chat_request_is_one_trace_across_the_three_services(stack, receiver
     assert "gen_ai.server.time_to_first_token" in root.attributes
     trace = [s for s in spans if s.trace_id == root.trace_id]
     assert {s.service for s in trace} == {"folio-api", "folio-engine-core", "folio-worker"}
+    tree = format_tree(trace).splitlines()
+    assert tree[0].startswith(f"chat {MODEL} [folio-api]")
+    assert any(line.startswith("  engine.request [folio-engine-core]") for line in tree)
+    assert any(line.startswith("    worker.add_request [folio-worker]") for line in tree)
     children = {}
     for s in trace:
         children.setdefault(s.parent_span_id, []).append(s)

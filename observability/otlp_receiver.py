@@ -1,4 +1,8 @@
-"""A real OTLP/HTTP trace receiver for tests: it decodes the exported protobuf."""
+"""A small OTLP/HTTP trace receiver: decodes exported spans and keeps them in memory.
+
+The tests use it as the collector of a real stack; ``python -m observability.trace_tree``
+uses it to print each request's span tree without a Jaeger.
+"""
 from __future__ import annotations
 
 import threading
@@ -33,16 +37,18 @@ def _value(v):
 
 
 class OTLPReceiver:
-    """Listens on 127.0.0.1; ``spans`` grows as services export."""
+    """Listens on 127.0.0.1 (``port`` 0 picks one); ``spans`` grows as services export."""
 
-    def __init__(self):
+    def __init__(self, port: int = 0):
         self.spans: list[ReceivedSpan] = []
+        self.num_bytes = 0
         self._lock = threading.Lock()
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
+                receiver.num_bytes += len(body)
                 request = ExportTraceServiceRequest()
                 request.ParseFromString(body)
                 receiver._add(request)
@@ -56,7 +62,7 @@ class OTLPReceiver:
             def log_message(self, *args):
                 pass
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
