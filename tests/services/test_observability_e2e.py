@@ -65,9 +65,13 @@ def test_one_chat_request_is_one_trace_across_the_three_services(stack, receiver
                  and s.service == "folio-api"]
         if not roots:
             return False
-        names = {s.name for s in spans if s.trace_id == roots[0].trace_id}
-        return {"engine.request", "engine.decode", "worker.add_request", "api.respond",
-                "engine.queue"} <= names
+        trace = [s for s in spans if s.trace_id == roots[0].trace_id]
+        steps = [s for s in trace if s.name in ("engine.prefill", "engine.decode")]
+        linked = {span_id for s in steps for _, span_id in s.links}
+        executed = {s.parent_span_id for s in spans if s.name == "worker.execute"}
+        return (len(steps) == 6 and linked <= executed and {
+            "engine.request", "worker.add_request", "api.respond", "engine.queue",
+            "tokenize"} <= {s.name for s in trace})
     spans = receiver.wait_for(complete)
     root = next(s for s in spans if s.attributes.get("gen_ai.response.id") == reply.id)
     assert root.name == f"chat {MODEL}" and root.parent_span_id == ""
