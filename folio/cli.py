@@ -95,6 +95,82 @@ def cmd_serve(args) -> int:
     return serve(config, args.config, overrides)
 
 
+def _add_workload(p: argparse.ArgumentParser) -> None:
+    from folio.bench.workload import DATASETS
+    p.add_argument("--dataset", choices=DATASETS, default="uniform")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--range-ratio", type=float, default=0.5,
+                   help="uniform: lengths in len*(1 -/+ ratio)")
+    p.add_argument("--prefix-len", type=int, default=1000,
+                   help="shared-prefix: tokens of the shared system prompt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="let requests stop at EOS (lengths then vary)")
+    p.add_argument("--result-json", default=None, help="write the report here")
+
+
+def _workload(args, tokenizer):
+    from folio.bench.workload import make_workload
+    return make_workload(tokenizer, args.dataset, args.num_prompts, args.input_len,
+                         args.output_len, args.range_ratio, args.prefix_len, args.seed)
+
+
+def _write_json(path, data) -> None:
+    import json
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2)
+            f.write("\n")
+
+
+def cmd_bench_serve(args) -> int:
+    """Load an OpenAI-compatible server and report latency and throughput."""
+    from folio.bench.serve import LoadSpec, bench_serve, format_report, plot_sweep
+    from services.api.tokenizer import Tokenizer
+    tokenizer = Tokenizer.from_model_path(args.tokenizer)
+    requests = _workload(args, tokenizer)
+    slo = dict(_slo(item) for item in args.goodput)
+    rates = args.sweep_rates or [args.request_rate]
+    reports = []
+    for rate in rates:
+        spec = LoadSpec(rate, args.burstiness, args.max_concurrency, args.seed)
+        report = bench_serve(args.base_url, args.model, requests, spec, slo or None,
+                             args.ignore_eos)
+        report["workload"] = {k: getattr(args, k) for k in (
+            "dataset", "num_prompts", "input_len", "output_len", "range_ratio",
+            "prefix_len", "seed", "ignore_eos")}
+        reports.append(report)
+        print(f"--- request rate {rate:g}/s, max concurrency {args.max_concurrency}")
+        print(format_report(report), flush=True)
+    _write_json(args.result_json, reports if len(reports) > 1 else reports[0])
+    if args.plot:
+        plot_sweep(reports, args.plot)
+        print(f"[folio] plot written to {args.plot}", file=sys.stderr)
+    return 0 if all(r["completed"] for r in reports) else 1
+
+
+def _slo(item: str) -> tuple[str, float]:
+    key, _, value = item.partition(":")
+    if key not in ("ttft", "tpot", "e2e") or not value:
+        raise ValueError(f"--goodput takes ttft:MS, tpot:MS or e2e:MS, got {item!r}")
+    return key, float(value)
+
+
+def cmd_bench_throughput(args) -> int:
+    """The offline engine on a synthetic workload."""
+    from folio.bench.throughput import bench_throughput
+    llm = _llm(args)
+    report = bench_throughput(llm, _workload(args, llm.get_tokenizer()), args.ignore_eos)
+    print(f"{report['num_requests']} requests in {report['duration_s']:.1f}s: "
+          f"{report['request_throughput']:.2f} req/s, "
+          f"output {report['output_throughput']:.1f} tok/s, "
+          f"total {report['total_throughput']:.1f} tok/s")
+    _write_json(args.result_json, report)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="folio", description="Folio LLM engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -114,6 +190,31 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=None,
                      help="shorthand for --set services.api_port=...")
     srv.set_defaults(func=cmd_serve)
+    bench = sub.add_parser("bench", help="benchmarks: serve (any OpenAI server), throughput")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bs = bench_sub.add_parser("serve", help="load an OpenAI-compatible endpoint")
+    bs.add_argument("--base-url", default="http://127.0.0.1:8000")
+    bs.add_argument("--model", default="SmolLM2-135M-Instruct")
+    bs.add_argument("--tokenizer", default="default",
+                    help="builds the prompts (a GGUF, tokenizer.json or 'default')")
+    bs.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="requests per second (Poisson); inf sends all at once")
+    bs.add_argument("--burstiness", type=float, default=1.0,
+                    help="gamma shape of the gaps: 1 Poisson, < 1 burstier")
+    bs.add_argument("--max-concurrency", type=int, default=None)
+    bs.add_argument("--goodput", nargs="*", default=[], metavar="KEY:MS",
+                    help="latency targets, e.g. ttft:500 tpot:100 e2e:10000")
+    bs.add_argument("--sweep-rates", type=float, nargs="*", default=None,
+                    help="run once per rate (for a throughput-latency curve)")
+    bs.add_argument("--plot", default=None, help="PNG of throughput vs latency (sweep)")
+    _add_workload(bs)
+    bs.set_defaults(func=cmd_bench_serve)
+    bt = bench_sub.add_parser("throughput", help="the offline engine on a workload")
+    bt.add_argument("--config", default=None, help="YAML config (default: config/default.yaml)")
+    bt.add_argument("--set", dest="overrides", action="append", default=[],
+                    metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")
+    _add_workload(bt)
+    bt.set_defaults(func=cmd_bench_throughput)
     cfg = sub.add_parser("config", help="print the resolved config with each key's doc")
     cfg.add_argument("--config", default=None)
     cfg.add_argument("--set", dest="overrides", action="append", default=[])

@@ -58,3 +58,10 @@ def make_tiny_llm(tiny_llama_dir, default_model_path):
         return LLM(**kw)
     return make
 
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer():
+    """The default model's tokenizer, rebuilt by Folio from the GGUF."""
+    from services.api.tokenizer import Tokenizer
+    return Tokenizer.from_model_path("default")

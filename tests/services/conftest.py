@@ -16,16 +16,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
-from services.api.tokenizer import Tokenizer  # noqa: E402
 from worker.model_files import default_model_path  # noqa: E402
 
 _COMPLETE_MARKER = "folio-complete"
-
-
-@pytest.fixture(scope="session")
-def smollm_tokenizer() -> Tokenizer:
-    """The default model's tokenizer, rebuilt by Folio from the GGUF."""
-    return Tokenizer.from_model_path("default")
 
 
 @pytest.fixture(scope="session")

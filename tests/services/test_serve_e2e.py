@@ -227,3 +227,27 @@ def test_disconnects_mid_stream_and_while_queued_free_everything(stack):
                 r.close()
         await wait_engine_clean(stack.url, within=2.0)
     run(main())
+
+
+def test_bench_serve_reports_a_run_and_a_sweep(stack, smollm_tokenizer, tmp_path):
+    from folio.bench.serve import LoadSpec, bench_serve
+    from folio.bench.workload import make_workload
+    from folio.cli import main as folio_main
+    reqs = make_workload(smollm_tokenizer, "fixed", 8, input_len=16, output_len=8)
+    report = bench_serve(stack.url, MODEL, reqs, LoadSpec(max_concurrency=4),
+                         slo_ms={"ttft": 60_000})
+    assert (report["completed"], report["failed"]) == (8, 0)
+    assert report["total_output_tokens"] == 64
+    assert report["total_input_tokens"] == sum(r.prompt_len for r in reqs)
+    assert 0 < report["ttft_ms"]["p50"] <= report["e2e_ms"]["p50"]
+    assert report["itl_ms"]["mean"] > 0 and report["goodput"]["requests_meeting_slo"] == 8
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    status = folio_main(["bench", "serve", "--base-url", stack.url, "--model", MODEL,
+                         "--dataset", "uniform", "--num-prompts", "6", "--input-len", "16",
+                         "--output-len", "6", "--sweep-rates", "20", "inf",
+                         "--result-json", str(out), "--plot", str(png)])
+    assert status == 0
+    runs = json.loads(out.read_text())
+    assert [r["load"]["request_rate"] for r in runs] == [20, float("inf")]
+    assert all(r["completed"] == 6 for r in runs)
+    assert png.read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,1 @@
+"""`folio bench serve` and `folio bench throughput`: load generation and measurement."""
