@@ -3,6 +3,7 @@ workload of token-id prompts over HTTP, measure output throughput."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import subprocess
@@ -44,9 +45,9 @@ async def post_all(url: str, reqs, stream: bool) -> int:
         return sum(await asyncio.gather(*(one(session, ids, n) for ids, n in reqs)))
 
 
-def run_served(settings: dict, reqs, stream: bool = False) -> dict:
-    """Start a stack with ``settings`` (a YAML tree), warm it up, time the workload and
-    measure each service's CPU seconds during it."""
+@contextlib.contextmanager
+def serving(settings: dict):
+    """`folio serve` on ``settings`` (a YAML tree) for the block; yields (url, pid)."""
     settings = {**settings, "services": {**settings.get("services", {}), "api_port": 0}}
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "folio.yaml"
@@ -61,16 +62,23 @@ def run_served(settings: dict, reqs, stream: bool = False) -> dict:
                     raise RuntimeError(f"folio serve exited {proc.returncode}")
                 match = re.search(r"API listening on (http://\S+)", out.read_text())
                 url = match.group(1) if match else time.sleep(0.2)
-            asyncio.run(post_all(url, reqs[:2], stream))  # warm-up
-            children = {pid: " ".join(command_line(pid)[2:3]) for pid in descendants(proc.pid)}
-            cpu0 = {pid: cpu_seconds(pid) for pid in children}
-            t0 = time.perf_counter()
-            num_out = asyncio.run(post_all(url, reqs, stream))
-            elapsed = time.perf_counter() - t0
-            cpu = {children[pid]: round(cpu_seconds(pid) - cpu0[pid], 2) for pid in children}
+            yield url, proc.pid
         finally:
             proc.terminate()
             proc.wait(60)
+
+
+def run_served(settings: dict, reqs, stream: bool = False) -> dict:
+    """Start a stack with ``settings`` (a YAML tree), warm it up, time the workload and
+    measure each service's CPU seconds during it."""
+    with serving(settings) as (url, pid):
+        asyncio.run(post_all(url, reqs[:2], stream))  # warm-up
+        children = {p: " ".join(command_line(p)[2:3]) for p in descendants(pid)}
+        cpu0 = {p: cpu_seconds(p) for p in children}
+        t0 = time.perf_counter()
+        num_out = asyncio.run(post_all(url, reqs, stream))
+        elapsed = time.perf_counter() - t0
+        cpu = {children[p]: round(cpu_seconds(p) - cpu0[p], 2) for p in children}
     return {"seconds": elapsed, "output_tokens": num_out,
             "output_tokens_per_s": num_out / elapsed, "cpu_seconds": cpu,
             "total_cpu_seconds": round(sum(cpu.values()), 2)}
