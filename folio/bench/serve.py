@@ -102,9 +102,12 @@ async def run_load(base_url: str, model: str, requests: list[BenchRequest], spec
 
 
 def bench_serve(base_url: str, model: str, requests: list[BenchRequest], spec: LoadSpec,
-                slo_ms: dict[str, float] | None = None, ignore_eos: bool = True) -> dict:
-    """One run at one load: the report (see folio.bench.stats.summarize)."""
-    records, duration = asyncio.run(run_load(base_url, model, requests, spec, ignore_eos))
+                slo_ms: dict[str, float] | None = None, ignore_eos: bool = True,
+                extra: dict | None = None) -> dict:
+    """One run at one load: the report (see folio.bench.stats.summarize). ``extra``
+    fields go into every request body (e.g. a server's own sampling options)."""
+    records, duration = asyncio.run(run_load(base_url, model, requests, spec, ignore_eos,
+                                             extra))
     report = summarize(records, duration, slo_ms)
     report["load"] = {"request_rate": spec.request_rate, "burstiness": spec.burstiness,
                       "max_concurrency": spec.max_concurrency}
