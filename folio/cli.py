@@ -10,10 +10,14 @@ from config.loader import load_config, parse_set_overrides
 from config.schema import ConfigError, FolioConfig
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
+def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML config (default: config/default.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    _add_config_args(p)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -183,9 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(chat)
     chat.set_defaults(func=cmd_chat)
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (three services)")
-    srv.add_argument("--config", default=None, help="YAML config (default: config/default.yaml)")
-    srv.add_argument("--set", dest="overrides", action="append", default=[],
-                     metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")
+    _add_config_args(srv)
     srv.add_argument("--host", default=None, help="shorthand for --set services.api_host=...")
     srv.add_argument("--port", type=int, default=None,
                      help="shorthand for --set services.api_port=...")
@@ -210,14 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_workload(bs)
     bs.set_defaults(func=cmd_bench_serve)
     bt = bench_sub.add_parser("throughput", help="the offline engine on a workload")
-    bt.add_argument("--config", default=None, help="YAML config (default: config/default.yaml)")
-    bt.add_argument("--set", dest="overrides", action="append", default=[],
-                    metavar="SECTION.KEY=VALUE", help="override one config key (repeatable)")
+    _add_config_args(bt)
     _add_workload(bt)
     bt.set_defaults(func=cmd_bench_throughput)
     cfg = sub.add_parser("config", help="print the resolved config with each key's doc")
-    cfg.add_argument("--config", default=None)
-    cfg.add_argument("--set", dest="overrides", action="append", default=[])
+    _add_config_args(cfg)
     cfg.set_defaults(func=cmd_config)
     return parser
 

@@ -34,6 +34,15 @@ def start_stack(tiny_llama_dir, default_model_path, tmp_path):
             serve.stop()
 
 
+async def open_streams(session, serve: ServeProcess, body: dict, n: int = 3) -> list:
+    """``n`` streaming requests, each past its first chunk."""
+    streams = [await session.post(serve.url + "/v1/completions", json=body)
+               for _ in range(n)]
+    for r in streams:
+        await r.content.readline()
+    return streams
+
+
 def assert_nothing_left(serve: ServeProcess) -> None:
     left = [p for p in serve.child_pids if is_running(p)]
     assert not left, f"processes left behind: {left}"
@@ -45,10 +54,7 @@ def test_killed_service_ends_streams_with_errors_and_stops_the_stack(start_stack
 
     async def main():
         async with aiohttp.ClientSession() as s:
-            streams = [await s.post(serve.url + "/v1/completions", json=STREAM)
-                       for _ in range(3)]
-            for r in streams:
-                await r.content.readline()
+            streams = await open_streams(s, serve, STREAM)
             os.kill(serve.pid_of(victim), signal.SIGKILL)
             for r in streams:
                 payloads = await asyncio.wait_for(sse_payloads(r), 20)
@@ -76,10 +82,7 @@ def test_sigterm_drains_in_flight_streams_then_exits_zero(start_stack):
 
     async def main():
         async with aiohttp.ClientSession() as s:
-            streams = [await s.post(serve.url + "/v1/completions", json=drain_stream)
-                       for _ in range(3)]
-            for r in streams:
-                await r.content.readline()
+            streams = await open_streams(s, serve, drain_stream)
             serve.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.5)
             async with s.post(serve.url + "/v1/completions",
