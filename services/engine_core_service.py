@@ -27,7 +27,8 @@ from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.sampling_params import InvalidRequestError
 from observability.logging import get_logger
 from services.endpoints import engine_core_endpoint, worker_endpoint
-from services.entrypoint import StopSignal, run_service, service_arguments
+from services.entrypoint import (StopSignal, first_completed, run_service,
+                                 service_arguments)
 from observability.tracing import Tracing
 from services.engine_observer import EngineObserver
 from services.protocol import (AbortRequest, AddRequest, ExecuteStep, GetMetrics, Health,
@@ -221,16 +222,12 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
     runner = await start_site(core.app(), endpoint, shutdown_timeout=0.5)
     log.info("engine core ready", endpoint=str(endpoint))
     stop.mark_serving()
-    loop_task = asyncio.ensure_future(core.run())
-    stop_task = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([loop_task, stop_task], return_when=asyncio.FIRST_COMPLETED)
+    (loop_task, _), done = await first_completed(core.run(), stop.wait())
     status = 0
-    if loop_task.done():
+    if loop_task in done:
         log.error("engine core stopping: the worker failed", error=str(loop_task.exception()))
         print(f"folio engine-core: {loop_task.exception()}", file=sys.stderr)
         status = 1
-    loop_task.cancel()
-    stop_task.cancel()
     await core.close()
     await runner.cleanup()
     tracing.shutdown()

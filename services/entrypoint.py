@@ -29,6 +29,9 @@ from config.schema import ConfigError, FolioConfig
 from observability.logging import configure_logging, get_logger
 
 SUPERVISOR_ENV = "FOLIO_SUPERVISOR_PID"
+# After the engine core goes away an API process keeps answering 503 this long (so that
+# open streams get their error event) before it exits; the launcher waits for that.
+ENGINE_LOSS_GRACE_S = 2.0
 _PR_SET_PDEATHSIG = 1
 
 class StopSignal(asyncio.Event):
@@ -49,6 +52,15 @@ log = get_logger(__name__)
 
 class ServiceStartError(RuntimeError):
     """A service cannot start; the message says what to fix."""
+
+
+async def first_completed(*awaitables) -> tuple[list[asyncio.Future], set[asyncio.Future]]:
+    """Run ``awaitables`` until one finishes, cancel the others; (all, the done ones)."""
+    futures = [asyncio.ensure_future(a) for a in awaitables]
+    done, pending = await asyncio.wait(futures, return_when=asyncio.FIRST_COMPLETED)
+    for future in pending:
+        future.cancel()
+    return futures, done
 
 
 def service_arguments(prog: str) -> argparse.ArgumentParser:

@@ -27,8 +27,7 @@ from dataclasses import dataclass, replace
 
 from config.schema import FolioConfig
 from services.endpoints import api_admin_endpoint, engine_core_endpoint, worker_endpoint
-from services.api.server import ENGINE_LOSS_GRACE_S
-from services.entrypoint import SUPERVISOR_ENV
+from services.entrypoint import ENGINE_LOSS_GRACE_S, SUPERVISOR_ENV, first_completed
 from services.transport import Endpoint, probe_health
 
 STOP_GRACE_S = 10.0  # after SIGTERM, how long a child may take before SIGKILL
@@ -127,12 +126,9 @@ class Launcher:
         return f"http://{host}:{port}"
 
     async def _first_exit(self) -> ServiceProcess | None:
-        waits = {asyncio.ensure_future(c.process.wait()): c for c in self.children}
-        stop = asyncio.ensure_future(self._stop.wait())
-        done, _ = await asyncio.wait([*waits, stop], return_when=asyncio.FIRST_COMPLETED)
-        for w in (*waits, stop):
-            w.cancel()
-        exited = [c for w, c in waits.items() if w in done]
+        futures, done = await first_completed(self._stop.wait(),
+                                              *(c.process.wait() for c in self.children))
+        exited = [c for c, f in zip(self.children, futures[1:]) if f in done]
         return exited[0] if exited else None
 
     async def _terminate(self, children: list[ServiceProcess], grace: float) -> None:

@@ -21,7 +21,8 @@ from config.schema import FolioConfig
 from observability.logging import get_logger
 from observability.tracing import Tracing, context_from_traceparent
 from services.endpoints import worker_endpoint
-from services.entrypoint import StopSignal, run_service, service_arguments
+from services.entrypoint import (StopSignal, first_completed, run_service,
+                                 service_arguments)
 from services.protocol import ExecuteStep, Health, Shutdown, StepResult, WorkerReady
 from services.transport import PeerLink, start_site, websocket_route
 
@@ -137,11 +138,7 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
              load_seconds=round(worker.runner.load_seconds, 2),
              ready_seconds=round(time.perf_counter() - t0, 2))
     stop.mark_serving()
-    waits = [asyncio.ensure_future(stop.wait()),
-             asyncio.ensure_future(worker.shutdown_requested.wait())]
-    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-    for w in waits:
-        w.cancel()
+    await first_completed(stop.wait(), worker.shutdown_requested.wait())
     await runner.cleanup()
     tracing.shutdown()
     return 0

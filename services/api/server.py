@@ -24,11 +24,11 @@ from services.api.app import APIServer
 from services.api.engine_client import EngineClient
 from services.api.tokenizer import Tokenizer
 from services.endpoints import api_admin_endpoint, engine_core_endpoint
-from services.entrypoint import StopSignal, run_service, service_arguments
+from services.entrypoint import (ENGINE_LOSS_GRACE_S, StopSignal, first_completed,
+                                 run_service, service_arguments)
 from services.transport import Endpoint, serve_app
 
 log = get_logger(__name__)
-ENGINE_LOSS_GRACE_S = 2.0  # let error events reach clients before exiting
 
 
 async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal) -> int:
@@ -56,9 +56,7 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
     log.info("api ready", index=args.index, model=server.model_name,
              max_model_len=info.max_model_len)
     stop.mark_serving()
-    stop_task = asyncio.ensure_future(stop.wait())
-    dead_task = asyncio.ensure_future(engine.dead.wait())
-    await asyncio.wait([stop_task, dead_task], return_when=asyncio.FIRST_COMPLETED)
+    await first_completed(stop.wait(), engine.dead.wait())
     status = 0
     if stop.is_set():
         server.begin_drain()
@@ -68,8 +66,6 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
         log.error("the engine core went away; exiting")
         await asyncio.sleep(ENGINE_LOSS_GRACE_S)
         status = 1
-    stop_task.cancel()
-    dead_task.cancel()
     await runner.cleanup()
     await engine.close()
     tracing.shutdown()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from observability.process_stats import command_line, descendants, is_running  # noqa: F401
+from observability.process_stats import command_line, descendants, is_running
 
 REPO = Path(__file__).resolve().parents[2]
 _READY = re.compile(r"API listening on (http://\S+)")

@@ -12,7 +12,8 @@ import openai
 import pytest
 
 from engine_core.sampling_params import SamplingParams
-from tests.services.serve_process import ServeProcess, is_running, write_config
+from observability.process_stats import is_running
+from tests.services.serve_process import ServeProcess, write_config
 
 MODEL = "folio-tiny"
 

@@ -9,7 +9,8 @@ import time
 import aiohttp
 import pytest
 
-from tests.services.serve_process import ServeProcess, is_running, write_config
+from observability.process_stats import is_running
+from tests.services.serve_process import ServeProcess, write_config
 from tests.services.test_serve_e2e import MODEL, sse_payloads
 
 STREAM = {"model": MODEL, "prompt": "Count with me", "max_tokens": 900, "ignore_eos": True,
