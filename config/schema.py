@@ -118,6 +118,9 @@ class WorkerConfig:
     num_threads: int = _f(0, "CPU threads for torch; 0 keeps torch's default (all cores)")
     attention_backend: str = _f("auto", "auto (native CPU decode kernel when it builds, "
                                 "else torch) or torch (the reference everywhere)")
+    pack_weights: bool = _f(True, "CPU float32: pack linear weights into MKL's GEMM layout "
+                            "once at load (1.5-2x faster matmuls at 32+ rows, about "
+                            "2x the weights' memory)")
 
     def __post_init__(self):
         _check(self.device in DEVICES, "worker.device",

@@ -9,14 +9,27 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 @lru_cache(maxsize=1)
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX)."""
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            flags = f.read()
+            return frozenset(f.read().split())
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return frozenset()
+
+
+def cpu_has_native_bf16() -> bool:
+    """True when the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX)."""
+    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
+
+
+def cpu_has_native_fp16() -> bool:
+    """True when the CPU multiplies float16 in hardware (AVX512-FP16 or AMX-FP16)."""
+    return bool({"avx512_fp16", "amx_fp16"} & _cpu_flags())
+
+
+def cpu_has_native_half(dtype: torch.dtype) -> bool:
+    """Whether the CPU has arithmetic for this 16-bit float type."""
+    return cpu_has_native_bf16() if dtype == torch.bfloat16 else cpu_has_native_fp16()
 
 
 def resolve_device(name: str) -> torch.device:

@@ -16,6 +16,7 @@ from torch import nn
 from kernels.paged_attention import PagedAttentionPlan, paged_attention
 from kernels.reshape_and_cache import reshape_and_cache
 from worker.models.architecture import ModelArchitecture
+from worker.models.linear import Linear, linear
 from worker.models.rotary_embedding import RotaryAngles, RotaryEmbedding
 
 
@@ -54,9 +55,9 @@ class LlamaAttention(nn.Module):
         self.head_dim = arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size,
+        self.qkv_proj = Linear(arch.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=arch.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
 
     def forward(self, angles: RotaryAngles, hidden, kv_cache, ctx: AttentionContext):
@@ -77,8 +78,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, arch: ModelArchitecture):
         super().__init__()
         self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -118,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(arch)
                                     for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(
+        self.lm_head = None if arch.tie_word_embeddings else Linear(
             arch.hidden_size, arch.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -135,7 +136,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[n, vocab]`` for the selected hidden states."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
