@@ -117,7 +117,10 @@ class APIServer:
                 if self.num_in_flight == 0:
                     self._idle.set()
         except APIError as e:
-            return web.json_response(e.body(), status=e.status)
+            resp = web.json_response(e.body(), status=e.status)
+            if e.status == 413:  # the refused body is never read: end the connection
+                resp.force_close()
+            return resp
         except web.HTTPException as e:
             err = APIError(e.status, e.reason or "error", type="invalid_request_error")
             return web.json_response(err.body(), status=e.status)
