@@ -27,7 +27,7 @@ from observability.logging import get_logger
 from services.api.openai_protocol import APIError
 
 ENV_API_KEYS = "FOLIO_API_KEYS"
-CACHE_SALT = "folio.cache_salt"  # request-scoped key: the tenant's salt, set on success
+CACHE_SALT = web.RequestKey("folio.cache_salt", str)  # the tenant's salt, set on success
 ALWAYS_PUBLIC = frozenset({"/health"})
 log = get_logger(__name__)
 
