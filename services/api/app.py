@@ -129,7 +129,11 @@ class APIServer:
         except (asyncio.CancelledError, ConnectionError):
             raise
         except Exception as e:  # a bug: no traceback, path or input goes to the client
-            log.error("unhandled error", error=type(e).__name__, path=request.path[:100])
+            resource = request.match_info.route.resource
+            log.error("unhandled error", error=type(e).__name__,
+                      route=resource.canonical if resource is not None else None)
+            if request.writer is not None and request.writer.output_size > 0:
+                raise  # a stream has begun: only dropping the connection is left
             err = APIError(500, "internal server error", "server_error")
             return web.json_response(err.body(), status=500)
 

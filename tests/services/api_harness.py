@@ -28,11 +28,14 @@ class FakeEngine:
         eos_token_ids=[2]))
     added: list = field(default_factory=list)
     alive: bool = True
+    fail_with: Exception | None = None  # raised by add(): a bug behind the API
 
     def __post_init__(self):
         self.dead = asyncio.Event()
 
     async def add(self, req_id, ids, params, traceparent=None, cache_salt=None):
+        if self.fail_with is not None:
+            raise self.fail_with
         self.added.append((req_id, list(ids), params, cache_salt))
         queue: asyncio.Queue = asyncio.Queue()
         num = params.max_tokens or 1

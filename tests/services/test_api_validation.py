@@ -218,3 +218,21 @@ def test_valid_requests_reach_the_engine_with_their_fields(smollm_tokenizer):
         assert params.stop == ["a", "b", "c"] and params.top_k == 49152 and salt is None
         assert chat_params.logprobs == 5 and chat_params.max_tokens == 3
     run(main())
+
+
+def test_a_bug_behind_the_api_is_a_bare_500_without_path_or_traceback(smollm_tokenizer):
+    async def main():
+        async with api_server(smollm_tokenizer) as (url, engine):
+            engine.fail_with = RuntimeError("boom in /work/folio/services/secret.py line 3")
+            async with aiohttp.ClientSession() as s:
+                for stream in (False, True):
+                    async with s.post(url + CMPL, data=cmpl(stream=stream)) as r:
+                        body = await r.read()
+                        assert r.status == 500 and r.content_type == "application/json"
+                        err = json.loads(body)["error"]
+                        assert err["message"] == "internal server error"
+                        assert b"secret" not in body and b"boom" not in body
+                engine.fail_with = None  # and the server keeps serving
+                async with s.post(url + CMPL, data=cmpl()) as r:
+                    assert r.status == 200
+    run(main())
