@@ -190,6 +190,10 @@ def test_keys_never_in_logs_spans_or_config_dumps(smollm_tokenizer, capsys):
     config = load_config(overrides={"api.api_keys": [KEY_A]}, use_env=False)
     assert KEY_A not in repr(config) and KEY_A not in json.dumps(config_to_dict(config))
     assert KEY_A not in repr(APIKeys([KEY_A]))
+    from folio.cli import main as folio_main
+    assert folio_main(["config", "--set", f"api.api_keys={KEY_A}"]) == 0
+    printed = capsys.readouterr().out
+    assert "api_keys:" in printed and KEY_A not in printed
 
 
 @pytest.mark.parametrize("bad", [[""], [" padded "], ["a,b"]])
