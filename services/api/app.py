@@ -176,7 +176,8 @@ class APIServer:
                                                      trace_id=trace.trace_id):
             try:
                 with trace.tokenize():
-                    ids = self.validator.check_prompt_ids(tokenize(), params)
+                    ids = self.validator.check_prompt_ids(tokenize(), params,
+                                                          checked.max_tokens_param)
                 log.info("request received", operation=operation, num_prompt_tokens=len(ids),
                          max_tokens=params.max_tokens, n=params.n, stream=stream)
                 trace.start_respond(len(ids), stream)

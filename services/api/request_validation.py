@@ -33,7 +33,7 @@ _FIELDS: dict[str, tuple[tuple, tuple | None]] = {
 }
 # set to anything but these values, the field asks for something Folio does not serve
 _UNSUPPORTED = {"echo": (False,), "suffix": ("",), "logit_bias": ({},), "tools": ([],),
-                "tool_choice": ("none",), "best_of": (1,), "cache_salt": (),
+                "tool_choice": ("none", "auto"), "best_of": (1,), "cache_salt": (),
                 "response_format": ({"type": "text"},)}
 
 
@@ -56,6 +56,7 @@ class CheckedRequest:
     stream: bool
     include_usage: bool
     prompt: str | list[int] | None = None  # completions
+    max_tokens_param: str = "max_tokens"  # the field that set params.max_tokens
     messages: list[dict[str, Any]] | None = None  # chat
     add_generation_prompt: bool = True
 
@@ -107,10 +108,10 @@ class RequestValidator:
             kwargs["n"] = typed(body, "n", (int,), (1, lim.max_n))
         if body.get("top_k") is not None:
             kwargs["top_k"] = typed(body, "top_k", (int,), (-1, lim.vocab_size))
-        max_key = "max_completion_tokens" if chat and body.get(
-            "max_completion_tokens") is not None else "max_tokens"
-        kwargs["max_tokens"] = (typed(body, max_key, (int,), (1, INT64_MAX))
-                                if body.get(max_key) is not None else None)
+        kwargs["max_tokens"] = None  # chat: max_completion_tokens wins over max_tokens
+        for key in ("max_tokens", "max_completion_tokens")[:1 + chat]:
+            if body.get(key) is not None:
+                kwargs["max_tokens"] = typed(body, key, (int,), (1, INT64_MAX))
         if body.get("min_tokens") is not None:
             kwargs["min_tokens"] = typed(body, "min_tokens", (int,), (0, lim.max_model_len))
         if body.get("stop_token_ids") is not None:
@@ -176,10 +177,13 @@ class RequestValidator:
         messages = checked_messages(body.get("messages"))
         add = (typed(body, "add_generation_prompt", (bool,))
                if body.get("add_generation_prompt") is not None else True)
+        param = ("max_completion_tokens" if body.get("max_completion_tokens") is not None
+                 else "max_tokens")
         return CheckedRequest(params, stream, include_usage, messages=messages,
-                              add_generation_prompt=add)
+                              add_generation_prompt=add, max_tokens_param=param)
 
-    def check_prompt_ids(self, ids: list[int], params: SamplingParams) -> list[int]:
+    def check_prompt_ids(self, ids: list[int], params: SamplingParams,
+                         max_tokens_param: str = "max_tokens") -> list[int]:
         """The tokenized prompt against the context: room for max_tokens, ids in vocab."""
         lim = self.limits
         if not ids:
@@ -189,8 +193,8 @@ class RequestValidator:
                       f"{lim.max_model_len}", "prompt")
         room = lim.max_model_len - len(ids)
         if params.max_tokens is not None and params.max_tokens > room:
-            raise bad(f"max_tokens ({params.max_tokens}) exceeds the room left after the "
-                      f"prompt ({room} of {lim.max_model_len} tokens)", "max_tokens")
+            raise bad(f"{max_tokens_param} ({params.max_tokens}) exceeds the room left after "
+                      f"the prompt ({room} of {lim.max_model_len} tokens)", max_tokens_param)
         self._token_ids(ids, "prompt")
         return ids
 
