@@ -8,7 +8,6 @@ processes), with one key from the YAML and one from FOLIO_API_KEYS:
   no 5xx, responses match the document, invalid data is refused, the stack survives.
 """
 import asyncio
-import json
 import os
 
 import aiohttp
@@ -66,8 +65,10 @@ async def cached_tokens(key, url, stream: bool = False) -> int:
 def test_tenants_never_share_prefix_cache_blocks(stack):
     async def main():
         url = stack.url
-        num_prompt = (await client(url, KEY_A).completions.create(model=MODEL, prompt=PROMPT, max_tokens=1,
-                                                 temperature=0)).usage.prompt_tokens
+        first = await client(url, KEY_A).completions.create(model=MODEL, prompt=PROMPT,
+                                                             max_tokens=1, temperature=0)
+        num_prompt = first.usage.prompt_tokens
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
         assert num_prompt >= 64  # four full 16-token blocks at least
         full_blocks = (num_prompt // 16) * 16
         # A's repeats hit, whichever of the two API processes serves them
