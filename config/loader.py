@@ -65,6 +65,12 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
             except ConfigError as e:
                 errors.append(e)
         raise errors[0]
+    if origin is tuple:  # tuple[str, ...]: a YAML list, or "a,b" from env or --set
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r} (in {source})", key)
+        return tuple(_coerce(v, typing.get_args(tp)[0], key, source) for v in value)
     ok = {
         bool: lambda v: isinstance(v, bool),
         int: lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -174,5 +180,10 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
 
 
 def config_to_dict(config: FolioConfig) -> dict:
-    """The resolved tree as plain data (for logging at start-up)."""
-    return dataclasses.asdict(config)
+    """The resolved tree as plain data (for logging at start-up); secrets redacted."""
+    tree = dataclasses.asdict(config)
+    for section in dataclasses.fields(config):
+        for f in dataclasses.fields(getattr(config, section.name)):
+            if f.metadata.get("secret"):
+                tree[section.name][f.name] = "<redacted>"
+    return tree

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# The engine's own hard bounds; the API's limits may only be stricter.
+from engine_core.sampling_params import MAX_LOGPROBS as ENGINE_MAX_LOGPROBS
+from engine_core.sampling_params import MAX_STOP_STRINGS as ENGINE_MAX_STOP_STRINGS
+
 
 def _f(default, doc: str, **kw):
     return field(default=default, metadata={"doc": doc, **kw})
@@ -205,6 +209,40 @@ def _is_host_port(value: str) -> bool:
 
 
 @dataclass(frozen=True, slots=True)
+class APIConfig:
+    """The HTTP API's request limits and authentication (see README, "Errors and limits")."""
+
+    # secret: never in repr, and config_to_dict (start-up logs) writes "<redacted>"
+    api_keys: tuple[str, ...] = field(default=(), repr=False, metadata={
+        "doc": "keys accepted as 'Authorization: Bearer <key>', besides those in "
+               "FOLIO_API_KEYS (comma-separated); none at all: no authentication",
+        "secret": True})
+    public_metrics: bool = _f(False, "serve /metrics without a key (/health is always "
+                              "public)")
+    max_body_bytes: int = _f(4 * 1024 * 1024, "largest request body in bytes (413 beyond)")
+    max_header_bytes: int = _f(8190, "longest request line or header field in bytes (431 "
+                               "beyond)")
+    max_headers: int = _f(100, "most header fields in one request (431 beyond)")
+    max_n: int = _f(16, "most samples one request may ask for ('n')")
+    max_stop_strings: int = _f(ENGINE_MAX_STOP_STRINGS, "most stop strings per request "
+                               f"(at most {ENGINE_MAX_STOP_STRINGS})")
+    max_logprobs: int = _f(ENGINE_MAX_LOGPROBS, "most top logprobs per token (at most "
+                           f"{ENGINE_MAX_LOGPROBS})")
+
+    def __post_init__(self):
+        _check(all(k and k == k.strip() and "," not in k for k in self.api_keys),
+               "api.api_keys", "keys must be non-empty, without commas or outer spaces")
+        _check(self.max_body_bytes >= 1024, "api.max_body_bytes", "must be at least 1024")
+        _check(self.max_header_bytes >= 256, "api.max_header_bytes", "must be at least 256")
+        _check(self.max_headers >= 8, "api.max_headers", "must be at least 8")
+        _check(self.max_n >= 1, "api.max_n", "must be at least 1")
+        _check(1 <= self.max_stop_strings <= ENGINE_MAX_STOP_STRINGS, "api.max_stop_strings",
+               f"must be in 1..{ENGINE_MAX_STOP_STRINGS}")
+        _check(0 <= self.max_logprobs <= ENGINE_MAX_LOGPROBS, "api.max_logprobs",
+               f"must be in 0..{ENGINE_MAX_LOGPROBS}")
+
+
+@dataclass(frozen=True, slots=True)
 class FolioConfig:
     """The whole tree; one YAML file fills it."""
 
@@ -215,3 +253,4 @@ class FolioConfig:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     services: ServicesConfig = field(default_factory=ServicesConfig)
+    api: APIConfig = field(default_factory=APIConfig)

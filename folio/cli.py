@@ -82,7 +82,7 @@ def cmd_config(args) -> int:
         obj = getattr(config, section.name)
         print(f"{section.name}:")
         for f in dataclasses.fields(obj):
-            value = repr(getattr(obj, f.name))
+            value = "<redacted>" if f.metadata.get("secret") else repr(getattr(obj, f.name))
             print(f"  {f.name + ':':<24}{value:<14} # {f.metadata.get('doc', '')}")
     return 0
 

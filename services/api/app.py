@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -16,17 +17,21 @@ from dataclasses import dataclass, field
 import structlog
 from aiohttp import web
 
+from config.schema import APIConfig
 from engine_core.outputs import EngineCoreOutput
 from observability.logging import get_logger
+from services.api.auth import CACHE_SALT, APIKeys, auth_middleware
 from services.api.chat_template import ChatTemplateError
 from services.api.detokenizer import IncrementalDetokenizer
 from services.api.engine_client import EngineClient, EngineDead
-from services.api.openai_protocol import (APIError, bad, check_stream_options,
-                                          completion_prompt, sampling_params_from,
-                                          unavailable)
+from services.api.openai_protocol import APIError, bad, unavailable
+from services.api.openapi import openapi_document
+from services.api.request_body import parse_json_object, read_body
+from services.api.request_validation import RequestValidator, ValidationLimits, check_model
 from services.api.response_format import (chat_chunk, chat_response, completion_chunk,
                                           completion_response, usage)
 from services.api.request_trace import RequestTrace
+from services.api.token_routes import TokenRoutes
 from services.api.tokenizer import Tokenizer
 from services.protocol import RequestRejected
 
@@ -43,17 +48,26 @@ class SampleDelta:
     token_ids: list[int]
     logprobs: list = field(default_factory=list)
     finish_reason: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first delta)
 
 
 class APIServer:
     """Routes of one API process, sharing one EngineClient and one Tokenizer."""
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str,
-                 max_model_len: int, tracer=None, enable_metrics: bool = True):
+                 max_model_len: int, tracer=None, enable_metrics: bool = True,
+                 api: APIConfig | None = None, api_keys: APIKeys | None = None):
         self.engine, self.tokenizer = engine, tokenizer
         self.tracer = tracer  # an OpenTelemetry tracer, or None when tracing is off
         self.enable_metrics = enable_metrics
         self.model_name, self.max_model_len = model_name, max_model_len
+        self.api = api or APIConfig()
+        self.api_keys = api_keys if api_keys is not None else APIKeys.from_sources(
+            self.api.api_keys, os.environ)
+        info = engine.model_info  # the model's own vocabulary bounds prompt token ids
+        self.validator = RequestValidator(ValidationLimits(
+            max_model_len, info.vocab_size if info is not None else tokenizer.vocab_size,
+            self.api.max_n, self.api.max_stop_strings, self.api.max_logprobs))
         self.num_in_flight = 0  # generation requests being served now
         self.draining = False  # set on SIGTERM: finish what runs, refuse new work
         self._idle = asyncio.Event()
@@ -72,12 +86,15 @@ class APIServer:
             return False
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._errors], client_max_size=4 * 1024 * 1024)
+        public = {"/health", "/metrics"} if self.api.public_metrics else {"/health"}
+        app = web.Application(middlewares=[self._errors,
+                                           auth_middleware(self.api_keys, public)],
+                              client_max_size=self.api.max_body_bytes)
+        app.router.add_get("/openapi.json", self.openapi)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/tokenize", self.tokenize)
-        app.router.add_post("/detokenize", self.detokenize)
+        TokenRoutes(self.tokenizer, self._body, self.max_model_len).add_to(app.router)
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics)
@@ -100,79 +117,67 @@ class APIServer:
                 if self.num_in_flight == 0:
                     self._idle.set()
         except APIError as e:
-            return web.json_response(e.body(), status=e.status)
+            resp = web.json_response(e.body(), status=e.status)
+            if e.status == 413:  # the refused body is never read: end the connection
+                resp.force_close()
+            return resp
         except web.HTTPException as e:
             err = APIError(e.status, e.reason or "error", type="invalid_request_error")
             return web.json_response(err.body(), status=e.status)
         except EngineDead as e:
             return web.json_response(unavailable(str(e)).body(), status=503)
+        except (asyncio.CancelledError, ConnectionError):
+            raise
+        except Exception as e:  # a bug: no traceback, path or input goes to the client
+            resource = request.match_info.route.resource
+            log.error("unhandled error", error=type(e).__name__,
+                      route=resource.canonical if resource is not None else None)
+            if request.writer is not None and request.writer.output_size > 0:
+                raise  # a stream has begun: only dropping the connection is left
+            err = APIError(500, "internal server error", "server_error")
+            return web.json_response(err.body(), status=500)
 
     async def _body(self, request) -> dict:
-        try:
-            body = json.loads(await request.read())
-        except (ValueError, UnicodeDecodeError):
-            raise bad("the body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise bad("the body must be a JSON object")
-        model = body.get("model")
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"model {str(model)[:100]!r} does not exist", "not_found_error",
-                           "model", "model_not_found")
+        body = parse_json_object(await read_body(request, self.api.max_body_bytes))
+        check_model(body, self.model_name)
         return body
 
-    def _check_ids(self, ids: list[int]) -> list[int]:
-        if len(ids) >= self.max_model_len:
-            raise bad(f"the prompt has {len(ids)} tokens; this model's maximum context is "
-                      f"{self.max_model_len}", "prompt")
-        if any(t < 0 or t >= self.tokenizer.vocab_size for t in ids):
-            raise bad("prompt token ids must lie in the vocabulary", "prompt")
-        return ids
-
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        include_usage = check_stream_options(body)
-        params = sampling_params_from(body, chat=False)
-        prompt = completion_prompt(body)
+        checked = self.validator.completion(await self._body(request))
+        prompt = checked.prompt
 
         def tokenize() -> list[int]:
             return self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
 
-        return await self._generate(request, body, params, include_usage, tokenize,
-                                    chat=False)
+        return await self._generate(request, checked, tokenize, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body = await self._body(request)
-        include_usage = check_stream_options(body)
-        params = sampling_params_from(body, chat=True)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise bad("'messages' must be a non-empty list", "messages")
+        checked = self.validator.chat(await self._body(request))
 
         def tokenize() -> list[int]:
             try:
                 text = self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=body.get("add_generation_prompt", True))
+                    checked.messages, add_generation_prompt=checked.add_generation_prompt)
             except ChatTemplateError as e:
                 raise bad(str(e), "messages") from None
             return self.tokenizer.encode(text, add_special_tokens=False)
 
-        return await self._generate(request, body, params, include_usage, tokenize,
-                                    chat=True)
+        return await self._generate(request, checked, tokenize, chat=True)
 
-    async def _generate(self, request, body, params, include_usage, tokenize,
-                        chat: bool) -> web.StreamResponse:
+    async def _generate(self, request, checked, tokenize, chat: bool) -> web.StreamResponse:
         """Tokenize, run and answer one request under its trace and log context."""
         operation, prefix = ("chat", "chatcmpl") if chat else ("text_completion", "cmpl")
         req_id = f"{prefix}-{uuid.uuid4().hex}"
+        params, stream, include_usage = checked.params, checked.stream, checked.include_usage
         trace = RequestTrace(self.tracer, operation, self.model_name, req_id,
                              request.headers.get("traceparent"), params)
-        stream = bool(body.get("stream"))
         error = None
         with structlog.contextvars.bound_contextvars(request_id=req_id,
                                                      trace_id=trace.trace_id):
             try:
                 with trace.tokenize():
-                    ids = self._check_ids(tokenize())
+                    ids = self.validator.check_prompt_ids(tokenize(), params,
+                                                          checked.max_tokens_param)
                 log.info("request received", operation=operation, num_prompt_tokens=len(ids),
                          max_tokens=params.max_tokens, n=params.n, stream=stream)
                 trace.start_respond(len(ids), stream)
@@ -203,7 +208,8 @@ class APIServer:
                                          include_stop_str_in_output=params.include_stop_str_in_output)
                   for _ in sample_ids]
         live = set(range(len(sample_ids)))
-        queue = await self.engine.add(req_id, ids, params, trace.traceparent)
+        queue = await self.engine.add(req_id, ids, params, trace.traceparent,
+                                      cache_salt=request.get(CACHE_SALT))
         try:
             while live:
                 item = await queue.get()
@@ -239,7 +245,7 @@ class APIServer:
         if finish is not None:
             live.discard(out.index)
         return SampleDelta(out.index, text, list(out.new_token_ids), out.new_logprobs or [],
-                           finish)
+                           finish, out.num_cached_tokens)
 
     async def _collect(self, request, req_id, ids, params, trace) -> list[SampleDelta]:
         samples = [SampleDelta(i, "", []) for i in range(params.n)]
@@ -252,6 +258,7 @@ class APIServer:
                 s.token_ids += d.token_ids
                 s.logprobs += d.logprobs
                 s.finish_reason = d.finish_reason or s.finish_reason
+                s.num_cached_tokens = max(s.num_cached_tokens, d.num_cached_tokens)
                 if request.transport is None or request.transport.is_closing():
                     break  # the client hung up
         return samples
@@ -271,7 +278,7 @@ class APIServer:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        num_tokens = 0
+        num_tokens = num_cached = 0
         try:
             if chat:
                 for i in range(params.n):
@@ -280,6 +287,8 @@ class APIServer:
             delta = first_delta
             while True:
                 num_tokens += len(delta.token_ids)
+                if delta.index == 0:
+                    num_cached = max(num_cached, delta.num_cached_tokens)
                 if delta.text or delta.finish_reason or delta.token_ids:
                     await _sse(resp, render(delta))
                 delta = await gen.__anext__()
@@ -294,7 +303,7 @@ class APIServer:
             await _sse(resp, {"id": req_id, "object": "chat.completion.chunk" if chat
                               else "text_completion", "created": fmt["created"],
                               "model": self.model_name, "choices": [],
-                              "usage": usage(len(ids), num_tokens)})
+                              "usage": usage(len(ids), num_tokens, num_cached)})
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
@@ -302,27 +311,6 @@ class APIServer:
         return web.json_response({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": 0, "owned_by": "folio",
             "max_model_len": self.max_model_len}]})
-
-    async def tokenize(self, request) -> web.Response:
-        body = await self._body(request)
-        if "messages" in body:
-            text = self.tokenizer.apply_chat_template(body["messages"])
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-        else:
-            prompt = body.get("prompt")
-            if not isinstance(prompt, str):
-                raise bad("'prompt' must be a string", "prompt")
-            ids = self.tokenizer.encode(prompt, body.get("add_special_tokens", True) is True)
-        return web.json_response({"tokens": ids, "count": len(ids),
-                                  "max_model_len": self.max_model_len})
-
-    async def detokenize(self, request) -> web.Response:
-        body = await self._body(request)
-        tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(
-                t, bool) and 0 <= t < self.tokenizer.vocab_size for t in tokens):
-            raise bad("'tokens' must be a list of token ids in the vocabulary", "tokens")
-        return web.json_response({"prompt": self.tokenizer.decode(tokens)})
 
     async def health(self, request) -> web.Response:
         """200 with the engine core's gauges when it answers; 503 when it does not, or
@@ -351,6 +339,11 @@ class APIServer:
 
     async def version(self, request) -> web.Response:
         return web.json_response({"version": VERSION})
+
+    async def openapi(self, request) -> web.Response:
+        """The OpenAPI 3 description of these routes (what schemathesis fuzzes)."""
+        return web.json_response(openapi_document(VERSION, self.model_name,
+                                                  self.validator.limits, self.api_keys.enabled))
 
 
 async def _sse(resp: web.StreamResponse, payload: dict) -> None:

@@ -73,13 +73,16 @@ class EngineClient:
                 waiter.set_exception(EngineDead("the engine core went away"))
 
     async def add(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                  traceparent: str | None = None) -> asyncio.Queue:
+                  traceparent: str | None = None,
+                  cache_salt: str | None = None) -> asyncio.Queue:
+        """Send a request; ``cache_salt`` (the tenant's, from auth) keys its cache blocks."""
         if not self.alive:
             raise EngineDead("the engine core is not reachable")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[req_id] = queue
         await self._link.send(AddRequest(req_id, prompt_token_ids, params, self.client_id,
-                                         time.time(), traceparent=traceparent))
+                                         time.time(), cache_salt=cache_salt,
+                                         traceparent=traceparent))
         return queue
 
     async def abort(self, req_ids: list[str]) -> None:

@@ -6,9 +6,17 @@ from typing import Any
 from engine_core.outputs import TokenLogprobs
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens the prefix cache served."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _cached(samples) -> int:
+    # sample 0 computed the prompt; later samples fork from it (their "cached" prefix
+    # is the sibling's, not the prefix cache's)
+    return next((s.num_cached_tokens for s in samples if s.index == 0), 0)
 
 
 def _token(tokenizer, token_id: int) -> str:
@@ -50,7 +58,8 @@ def completion_response(samples, num_prompt_tokens, tokenizer, *, req_id, model,
             "choices": [{"index": s.index, "text": s.text,
                          "logprobs": completion_logprobs(s.logprobs, tokenizer),
                          "finish_reason": s.finish_reason} for s in samples],
-            "usage": usage(num_prompt_tokens, sum(len(s.token_ids) for s in samples))}
+            "usage": usage(num_prompt_tokens, sum(len(s.token_ids) for s in samples),
+                           _cached(samples))}
 
 
 def chat_response(samples, num_prompt_tokens, tokenizer, *, req_id, model, created) -> dict:
@@ -59,7 +68,8 @@ def chat_response(samples, num_prompt_tokens, tokenizer, *, req_id, model, creat
                          "message": {"role": "assistant", "content": s.text},
                          "logprobs": chat_logprobs(s.logprobs, tokenizer),
                          "finish_reason": s.finish_reason} for s in samples],
-            "usage": usage(num_prompt_tokens, sum(len(s.token_ids) for s in samples))}
+            "usage": usage(num_prompt_tokens, sum(len(s.token_ids) for s in samples),
+                           _cached(samples))}
 
 
 def completion_chunk(delta, tokenizer, *, req_id, model, created) -> dict:

@@ -21,12 +21,14 @@ from config.schema import FolioConfig
 from observability.logging import get_logger
 from observability.tracing import Tracing
 from services.api.app import APIServer
+from services.api.auth import APIKeys
 from services.api.engine_client import EngineClient
+from services.api.http_server import serve_api
 from services.api.tokenizer import Tokenizer
 from services.endpoints import api_admin_endpoint, engine_core_endpoint
 from services.entrypoint import (ENGINE_LOSS_GRACE_S, StopSignal, first_completed,
                                  run_service, service_arguments)
-from services.transport import Endpoint, serve_app
+from services.transport import Endpoint
 
 log = get_logger(__name__)
 
@@ -39,10 +41,12 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
     engine = EngineClient(engine_core_endpoint(services), f"api-{args.index}-{os.getpid()}")
     info = await engine.start(timeout=services.startup_timeout_s)
     tracing = Tracing(config.observability, "api")
+    api_keys = APIKeys.from_sources(config.api.api_keys, os.environ)
     server = APIServer(engine, tokenizer,
                        served_model_name(config.model.path, config.model.served_model_name),
                        info.max_model_len, tracer=tracing.tracer,
-                       enable_metrics=config.observability.enable_metrics)
+                       enable_metrics=config.observability.enable_metrics,
+                       api=config.api, api_keys=api_keys)
     admin = api_admin_endpoint(services, args.index)
     endpoints = [admin] if admin is not None else []
     sockets = []
@@ -50,11 +54,10 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
         sockets.append(socket.socket(fileno=args.listen_fd))
     else:
         endpoints.append(Endpoint(host=services.api_host, port=services.api_port))
-    runner = await serve_app(server.app(), endpoints, sockets, shutdown_timeout=1.0,
-                             reuse_port=services.num_api_servers > 1,
-                             handler_cancellation=True)
+    runner = await serve_api(server.app(), config.api, endpoints, sockets,
+                             shutdown_timeout=1.0, reuse_port=services.num_api_servers > 1)
     log.info("api ready", index=args.index, model=server.model_name,
-             max_model_len=info.max_model_len)
+             max_model_len=info.max_model_len, num_api_keys=len(api_keys))
     stop.mark_serving()
     await first_completed(stop.wait(), engine.dead.wait())
     status = 0

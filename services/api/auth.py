@@ -1,0 +1,116 @@
+"""API keys: who may call the API, and which tenant's prefix cache a request may touch.
+
+Keys come from the YAML (``api.api_keys``) and the environment (``FOLIO_API_KEYS``,
+comma-separated). With none at all the API is open. With any, every route but the
+public ones (``/health``; ``/metrics`` when ``api.public_metrics``) answers 401
+unless the request carries ``Authorization: Bearer <key>``.
+
+Public routes are recognised by the route the router resolved, never by the raw path,
+so ``//v1/models``, ``/v1/%6Dodels`` or ``/health/../v1/models`` can only reach a
+public handler if the router itself sends them there. Candidate keys are compared in
+constant time against every configured key (sha256 digests of equal length, no early
+exit), and keys are never logged: only whether one was missing or wrong.
+
+Each key is a tenant. Its cache salt is an HMAC of the key's digest under a secret
+derived from all configured keys, so the salt is the same in every API process, is
+not the key, and a client cannot choose it: two tenants never share a KV block.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable, Mapping
+
+from aiohttp import web
+
+from observability.logging import get_logger
+from services.api.openai_protocol import APIError
+
+ENV_API_KEYS = "FOLIO_API_KEYS"
+CACHE_SALT = web.RequestKey("folio.cache_salt", str)  # the tenant's salt, set on success
+ALWAYS_PUBLIC = frozenset({"/health"})
+log = get_logger(__name__)
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+
+
+class APIKeys:
+    """The accepted keys (as digests) and the salts of their tenants."""
+
+    def __init__(self, keys: Iterable[str]):
+        self._digests = sorted({_digest(k) for k in keys if k})
+        self._salt_secret = hashlib.sha256(b"folio cache salt\0" + b"".join(self._digests)
+                                           ).digest()
+
+    @classmethod
+    def from_sources(cls, configured: Iterable[str],
+                     environ: Mapping[str, str]) -> "APIKeys":
+        """Keys of the YAML plus those of ``FOLIO_API_KEYS`` (comma-separated)."""
+        from_env = [k.strip() for k in environ.get(ENV_API_KEYS, "").split(",")]
+        return cls([*configured, *from_env])
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._digests)
+
+    def __len__(self) -> int:
+        return len(self._digests)
+
+    def __repr__(self) -> str:  # never the keys
+        return f"APIKeys({len(self)} keys)"
+
+    def tenant_of(self, authorization: str | None) -> bytes | None:
+        """The matching key's digest for an ``Authorization`` header, else None.
+
+        Every configured key is compared, whichever matches, so the time taken says
+        nothing about which key (or how much of one) was right.
+        """
+        if not authorization:
+            return None
+        scheme, _, candidate = authorization.strip().partition(" ")
+        if scheme.lower() != "bearer" or not candidate.strip():
+            return None
+        digest = _digest(candidate.strip())
+        found = None
+        for known in self._digests:
+            if hmac.compare_digest(digest, known):
+                found = known
+        return found
+
+    def cache_salt(self, tenant: bytes) -> str:
+        """The tenant's prefix-cache salt (hex); never the key itself."""
+        return hmac.new(self._salt_secret, tenant, hashlib.sha256).hexdigest()
+
+
+def unauthorized(message: str) -> web.Response:
+    err = APIError(401, message, "authentication_error", code="invalid_api_key")
+    return web.json_response(err.body(), status=401,
+                             headers={"WWW-Authenticate": 'Bearer realm="folio"'})
+
+
+def auth_middleware(keys: APIKeys, public_paths: Iterable[str] = ALWAYS_PUBLIC):
+    """An aiohttp middleware: 401 unless the resolved route is public or the key is right.
+
+    Unknown routes are not public, so a caller without a key cannot probe which exist.
+    """
+    public = frozenset(public_paths)
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        resource = request.match_info.route.resource
+        is_public = resource is not None and resource.canonical in public
+        if keys.enabled:
+            tenant = keys.tenant_of(request.headers.get("Authorization"))
+            if tenant is not None:
+                request[CACHE_SALT] = keys.cache_salt(tenant)
+            elif not is_public:
+                reason = "missing" if "Authorization" not in request.headers else "invalid"
+                log.debug("unauthorized request", method=request.method, reason=reason)
+                return unauthorized("a valid API key is required: 'Authorization: Bearer "
+                                    "<key>'" if reason == "missing" else
+                                    "the API key is not valid")
+        return await handler(request)
+
+    return middleware

@@ -1,0 +1,160 @@
+"""The OpenAPI 3.1 description of the API, served at ``GET /openapi.json``.
+
+Bounds come from the live limits (max_model_len, vocabulary, the YAML's ``api``
+section), so a fuzzer that reads this document probes exactly the edges the server
+enforces. Every error response is OpenAI's ``{"error": {...}}`` shape.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from services.api.request_validation import INT64_MAX, ValidationLimits
+
+_ERRORS = {"400": "invalid request", "401": "missing or wrong API key",
+           "404": "unknown model or route", "413": "body too large",
+           "431": "headers too large", "503": "engine unavailable or draining"}
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _json(schema: dict) -> dict:
+    return {"application/json": {"schema": schema}}
+
+
+def _responses(ok: dict, *codes: str) -> dict:
+    out = {"200": {"description": "success", "content": ok}}
+    for code in ("400", "401", "413", "431", *codes):
+        out[code] = {"description": _ERRORS[code], "content": _json(_ref("Error"))}
+    return out
+
+
+def _sampling(lim: ValidationLimits) -> dict[str, Any]:
+    """Fields shared by completions and chat completions."""
+    num = {"type": "number"}
+    int64 = {"type": "integer", "minimum": -INT64_MAX - 1, "maximum": INT64_MAX}
+    nullable = lambda schema: {"anyOf": [schema, {"type": "null"}]}  # noqa: E731
+    return {
+        "model": {"type": "string"}, "stream": nullable({"type": "boolean"}),
+        "stream_options": nullable({"type": "object", "properties": {
+            "include_usage": {"type": "boolean"}}}),
+        "n": nullable({"type": "integer", "minimum": 1, "maximum": lim.max_n}),
+        "max_tokens": nullable({"type": "integer", "minimum": 1,
+                                "maximum": lim.max_model_len - 1}),
+        "min_tokens": nullable({"type": "integer", "minimum": 0,
+                                "maximum": lim.max_model_len}),
+        "temperature": nullable({**num, "minimum": 0, "maximum": 2}),
+        "top_p": nullable({**num, "exclusiveMinimum": 0, "maximum": 1}),
+        "top_k": nullable({"type": "integer", "minimum": -1, "maximum": lim.vocab_size}),
+        "min_p": nullable({**num, "minimum": 0, "maximum": 1}),
+        "presence_penalty": nullable({**num, "minimum": -2, "maximum": 2}),
+        "frequency_penalty": nullable({**num, "minimum": -2, "maximum": 2}),
+        "repetition_penalty": nullable({**num, "exclusiveMinimum": 0, "maximum": 2 ** 16}),
+        "seed": nullable(int64), "priority": nullable(int64),
+        "stop": nullable({"anyOf": [{"type": "string", "minLength": 1}, {
+            "type": "array", "maxItems": lim.max_stop_strings,
+            "items": {"type": "string", "minLength": 1}}]}),
+        "stop_token_ids": nullable({"type": "array", "items": _token_id(lim)}),
+        "ignore_eos": nullable({"type": "boolean"}),
+        "skip_special_tokens": nullable({"type": "boolean"}),
+        "include_stop_str_in_output": nullable({"type": "boolean"}),
+        "user": nullable({"type": "string"}),
+    }
+
+
+def _token_id(lim: ValidationLimits) -> dict:
+    return {"type": "integer", "minimum": 0, "maximum": lim.vocab_size - 1}
+
+
+def _schemas(lim: ValidationLimits) -> dict[str, Any]:
+    usage = {"type": "object", "required": ["prompt_tokens", "completion_tokens",
+                                            "total_tokens"], "properties": {
+        "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
+        "total_tokens": {"type": "integer"}, "prompt_tokens_details": {
+            "type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}}
+    choice = {"type": "object", "required": ["index", "finish_reason"]}
+    part = {"type": "object", "required": ["type", "text"], "properties": {
+        "type": {"const": "text"}, "text": {"type": "string"}}}
+    message = {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"type": "string", "minLength": 1},
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}}}
+    ids = {"type": "array", "minItems": 1, "items": _token_id(lim)}
+    return {
+        "Error": {"type": "object", "required": ["error"], "properties": {"error": {
+            "type": "object", "required": ["message", "type", "param", "code"],
+            "properties": {"message": {"type": "string", "maxLength": 1000},
+                           "type": {"type": "string"},
+                           "param": {"type": ["string", "null"]},
+                           "code": {"type": ["string", "null"]}}}}},
+        "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
+            **_sampling(lim),
+            "prompt": {"anyOf": [  # text, ids, or a batch of exactly one of those
+                {"type": "string", "minLength": 1}, ids,
+                {"type": "array", "minItems": 1, "maxItems": 1, "items": {
+                    "anyOf": [{"type": "string", "minLength": 1}, ids]}}]},
+            "logprobs": {"type": ["integer", "null"], "minimum": 0,
+                         "maximum": lim.max_logprobs}}},
+        "ChatRequest": {"type": "object", "required": ["messages"], "properties": {
+            **_sampling(lim), "messages": {"type": "array", "minItems": 1, "items": message},
+            "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1,
+                                      "maximum": lim.max_model_len - 1},
+            "logprobs": {"type": ["boolean", "null"]},
+            "top_logprobs": {"type": ["integer", "null"], "minimum": 0,
+                             "maximum": lim.max_logprobs},
+            "add_generation_prompt": {"type": ["boolean", "null"]}}},
+        "Completion": {"type": "object", "required": ["id", "object", "choices", "usage"],
+                       "properties": {"choices": {"type": "array", "items": choice},
+                                      "usage": usage}},
+        "TokenizeRequest": {"anyOf": [
+            {"type": "object", "required": ["prompt"], "properties": {
+                "model": {"type": "string"}, "prompt": {"type": "string"},
+                "add_special_tokens": {"type": "boolean"}}},
+            {"type": "object", "required": ["messages"], "properties": {
+                "model": {"type": "string"},
+                "messages": {"type": "array", "minItems": 1, "items": message}}}]},
+        "DetokenizeRequest": {"type": "object", "required": ["tokens"], "properties": {
+            "model": {"type": "string"}, "tokens": {"type": "array", "items": _token_id(lim)}}},
+    }
+
+
+def openapi_document(version: str, model_name: str, lim: ValidationLimits,
+                     auth: bool) -> dict[str, Any]:
+    """The whole document; with ``auth`` every operation but /health needs a bearer key."""
+    sse = {"text/event-stream": {"schema": {"type": "string"}}}
+    generate = {**_json(_ref("Completion")), **sse}
+    text = {"text/plain": {"schema": {"type": "string"}}}
+
+    def post(summary: str, schema: str, ok: dict, *codes: str) -> dict:
+        return {"post": {"summary": summary, "requestBody": {
+            "required": True, "content": _json(_ref(schema))},
+            "responses": _responses(ok, *codes)}}
+
+    def get(summary: str, ok: dict, *codes: str) -> dict:
+        return {"get": {"summary": summary, "responses": _responses(ok, *codes)}}
+
+    obj = _json({"type": "object"})
+    paths = {
+        "/v1/completions": post("text completion", "CompletionRequest", generate, "404",
+                                "503"),
+        "/v1/chat/completions": post("chat completion", "ChatRequest", generate, "404",
+                                     "503"),
+        "/tokenize": post("prompt or conversation to token ids", "TokenizeRequest", obj,
+                          "404"),
+        "/detokenize": post("token ids to text", "DetokenizeRequest", obj, "404"),
+        "/v1/models": get(f"the served model ({model_name})", obj),
+        "/version": get("server version", obj),
+        "/metrics": get("Prometheus metrics", text, "404", "503"),
+        "/health": get("liveness and engine gauges (public)", obj, "503"),
+        "/openapi.json": get("this document", obj),
+    }
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0", "info": {"title": "Folio OpenAI-compatible API",
+                                     "version": version},
+        "paths": paths, "components": {"schemas": _schemas(lim)}}
+    if auth:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http",
+                                                           "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+        paths["/health"]["get"]["security"] = []
+    return doc

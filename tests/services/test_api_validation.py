@@ -1,0 +1,241 @@
+"""Issue 6, item 1: every request field is checked in the API process before tokenization
+reaches the engine. A bad field is a 4xx in OpenAI's shape whose ``param`` names it,
+whose message holds no path or traceback, and whose body stays small however much is
+wrong. The engine is a fake that records what reached it: nothing may.
+"""
+import asyncio
+import json
+import re
+
+import aiohttp
+import pytest
+
+from config.schema import APIConfig
+from tests.services.api_harness import api_server
+
+MODEL = "folio-tiny"
+LIMITS = APIConfig(max_n=4, max_stop_strings=3, max_logprobs=5)
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+HI = [{"role": "user", "content": "Hi"}]
+
+
+def cmpl(**fields):
+    return json.dumps({"model": MODEL, "prompt": "Hello", **fields})
+
+
+def chat(**fields):
+    return json.dumps({"model": MODEL, "messages": HI, **fields})
+
+
+CASES = [  # (id, path, raw body, status, param)
+    ("prompt-over-context", CMPL, cmpl(prompt=[5] * 128), 400, "prompt"),
+    ("text-prompt-over-context", CMPL, cmpl(prompt="hello " * 300), 400, "prompt"),
+    ("max-tokens-over-room", CMPL, cmpl(prompt=[5] * 100, max_tokens=29), 400, "max_tokens"),
+    ("chat-max-tokens-over-room", CHAT, chat(max_completion_tokens=500), 400,
+     "max_completion_tokens"),
+    ("chat-both-max-tokens-one-bad", CHAT, chat(max_tokens="x", max_completion_tokens=5), 400,
+     "max_tokens"),
+    ("max-tokens-zero", CMPL, cmpl(max_tokens=0), 400, "max_tokens"),
+    ("max-tokens-negative", CMPL, cmpl(max_tokens=-3), 400, "max_tokens"),
+    ("temperature-negative", CMPL, cmpl(temperature=-0.1), 400, "temperature"),
+    ("temperature-high", CMPL, cmpl(temperature=2.5), 400, "temperature"),
+    ("top-p-zero", CMPL, cmpl(top_p=0), 400, "top_p"),
+    ("top-p-high", CMPL, cmpl(top_p=1.5), 400, "top_p"),
+    ("top-k-negative", CMPL, cmpl(top_k=-2), 400, "top_k"),
+    ("top-k-over-vocab", CMPL, cmpl(top_k=10 ** 30), 400, "top_k"),
+    ("min-p-high", CMPL, cmpl(min_p=1.5), 400, "min_p"),
+    ("presence-penalty", CMPL, cmpl(presence_penalty=3), 400, "presence_penalty"),
+    ("frequency-penalty", CHAT, chat(frequency_penalty=-2.5), 400, "frequency_penalty"),
+    ("repetition-penalty", CMPL, cmpl(repetition_penalty=0), 400, "repetition_penalty"),
+    ("min-tokens-over-max", CMPL, cmpl(min_tokens=9, max_tokens=4), 400, "min_tokens"),
+    ("seed-over-int64", CMPL, cmpl(seed=2 ** 64), 400, "seed"),
+    ("priority-over-int64", CMPL, cmpl(priority=-2 ** 70), 400, "priority"),
+    ("nan", CMPL, '{"prompt": "x", "temperature": NaN}', 400, "temperature"),
+    ("infinity", CMPL, '{"prompt": "x", "top_p": Infinity}', 400, "top_p"),
+    ("minus-infinity", CHAT, chat()[:-1] + ', "presence_penalty": -Infinity}', 400,
+     "presence_penalty"),
+    ("overflowing-float", CMPL, '{"prompt": "x", "temperature": 1e999}', 400, "temperature"),
+    ("unknown-model", CMPL, cmpl(model="gpt-5"), 404, "model"),
+    ("unknown-model-chat", CHAT, chat(model="x" * 10000), 404, "model"),
+    ("model-wrong-type", CMPL, cmpl(model=5), 400, "model"),
+    ("malformed-json", CMPL, '{"prompt": "x",', 400, None),
+    ("not-an-object", CMPL, '["prompt", "x"]', 400, None),
+    ("a-string-body", CHAT, '"hello"', 400, None),
+    ("empty-body", CMPL, "", 400, None),
+    ("deep-nesting", CMPL, "[" * 200_000 + "]" * 200_000, 400, None),
+    ("huge-integer", CMPL, '{"prompt": "x", "n": ' + "9" * 5000 + "}", 400, None),
+    ("temperature-string", CMPL, cmpl(temperature="hot"), 400, "temperature"),
+    ("n-string", CMPL, cmpl(n="2"), 400, "n"),
+    ("n-float", CMPL, cmpl(n=2.0), 400, "n"),
+    ("stream-string", CMPL, cmpl(stream="yes"), 400, "stream"),
+    ("max-tokens-float", CMPL, cmpl(max_tokens=1.5), 400, "max_tokens"),
+    ("seed-bool", CMPL, cmpl(seed=True), 400, "seed"),
+    ("ignore-eos-int", CMPL, cmpl(ignore_eos=1), 400, "ignore_eos"),
+    ("stop-number", CMPL, cmpl(stop=5), 400, "stop"),
+    ("prompt-number", CMPL, cmpl(prompt=5), 400, "prompt"),
+    ("prompt-mixed-list", CMPL, cmpl(prompt=[1, "a"]), 400, "prompt"),
+    ("prompt-bools", CMPL, cmpl(prompt=[True]), 400, "prompt"),
+    ("prompt-batch", CMPL, cmpl(prompt=["a", "b"]), 400, "prompt"),
+    ("user-number", CMPL, cmpl(user=5), 400, "user"),
+    ("messages-string", CHAT, chat(messages="Hi"), 400, "messages"),
+    ("message-no-content", CHAT, chat(messages=[{"role": "user"}]), 400, "messages"),
+    ("message-role-number", CHAT, chat(messages=[{"role": 1, "content": "x"}]), 400,
+     "messages"),
+    ("message-not-object", CHAT, chat(messages=["Hi"]), 400, "messages"),
+    ("message-bad-part", CHAT, chat(messages=[{"role": "user", "content": [{"type": "image"}]}]),
+     400, "messages"),
+    ("add-generation-prompt-str", CHAT, chat(add_generation_prompt="no"), 400,
+     "add_generation_prompt"),
+    ("empty-prompt", CMPL, cmpl(prompt=""), 400, "prompt"),
+    ("empty-prompt-list", CMPL, cmpl(prompt=[]), 400, "prompt"),
+    ("no-prompt", CMPL, json.dumps({"model": MODEL}), 400, "prompt"),
+    ("empty-messages", CHAT, chat(messages=[]), 400, "messages"),
+    ("no-messages", CHAT, json.dumps({"model": MODEL}), 400, "messages"),
+    ("token-id-over-vocab", CMPL, cmpl(prompt=[1, 49152]), 400, "prompt"),
+    ("token-id-negative", CMPL, cmpl(prompt=[-1]), 400, "prompt"),
+    ("token-id-batch-of-one", CMPL, cmpl(prompt=[[7, 10 ** 20]]), 400, "prompt"),
+    ("stop-token-id-over-vocab", CMPL, cmpl(stop_token_ids=[10 ** 9]), 400, "stop_token_ids"),
+    ("n-over-limit", CMPL, cmpl(n=5), 400, "n"),
+    ("n-zero", CHAT, chat(n=0), 400, "n"),
+    ("too-many-stop-strings", CMPL, cmpl(stop=["a", "b", "c", "d"]), 400, "stop"),
+    ("empty-stop-string", CMPL, cmpl(stop=""), 400, "stop"),
+    ("empty-stop-in-list", CHAT, chat(stop=["a", ""]), 400, "stop"),
+    ("too-many-logprobs", CMPL, cmpl(logprobs=6), 400, "logprobs"),
+    ("too-many-top-logprobs", CHAT, chat(logprobs=True, top_logprobs=6), 400, "top_logprobs"),
+    ("top-logprobs-without-logprobs", CHAT, chat(top_logprobs=2), 400, "top_logprobs"),
+    ("logprobs-not-bool-chat", CHAT, chat(logprobs=3), 400, "logprobs"),
+    ("lone-surrogate-prompt", CMPL, '{"prompt": "a\\ud800b"}', 400, "prompt"),
+    ("lone-surrogate-message", CHAT,
+     '{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "messages"),
+    ("lone-surrogate-stop", CMPL, '{"prompt": "x", "stop": ["\\ud83d"]}', 400, "stop"),
+    ("stream-options-without-stream", CMPL, cmpl(stream_options={"include_usage": True}),
+     400, "stream_options"),
+    ("stream-options-stream-false", CHAT,
+     chat(stream=False, stream_options={"include_usage": True}), 400, "stream_options"),
+    ("stream-options-bad", CMPL, cmpl(stream=True, stream_options={"include_usage": 1}), 400,
+     "stream_options"),
+    ("echo-unsupported", CMPL, cmpl(echo=True), 400, "echo"),
+    ("logit-bias-unsupported", CMPL, cmpl(logit_bias={"5": 10}), 400, "logit_bias"),
+    ("tools-unsupported", CHAT, chat(tools=[{"type": "function"}]), 400, "tools"),
+    ("client-cache-salt", CMPL, cmpl(cache_salt="tenant-b"), 400, "cache_salt"),
+]
+INVALID_UTF8 = b'{"prompt": "caf\xc3(\xff"}'
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def assert_openai_error(status, body: bytes, want_status, want_param):
+    assert status == want_status, body[:300]
+    assert len(body) < 1500  # bounded, whatever was sent
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == want_param, err
+    message = err["message"]
+    assert message and len(message) <= 1000
+    assert "Traceback" not in message and ".py" not in message
+    assert not re.search(r"(/[\w.-]+){2,}", message), message  # no file path
+
+
+@pytest.mark.parametrize("path,raw,status,param", [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_bad_field_is_a_4xx_naming_it_and_nothing_reaches_the_engine(
+        smollm_tokenizer, path, raw, status, param):
+    async def main():
+        async with api_server(smollm_tokenizer, LIMITS) as (url, engine):
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + path, data=raw.encode("utf-8"),
+                                  headers={"Content-Type": "application/json"}) as r:
+                    assert_openai_error(r.status, await r.read(), status, param)
+                    assert r.content_type == "application/json"
+            assert engine.added == []
+    run(main())
+
+
+def test_invalid_utf8_and_tokenizer_routes(smollm_tokenizer):
+    async def main():
+        async with api_server(smollm_tokenizer, LIMITS) as (url, engine):
+            async with aiohttp.ClientSession() as s:
+                for path in (CMPL, CHAT, "/tokenize"):
+                    async with s.post(url + path, data=INVALID_UTF8) as r:
+                        assert_openai_error(r.status, await r.read(), 400, None)
+                for path, body, param in [
+                        ("/tokenize", {"prompt": 5}, "prompt"),
+                        ("/tokenize", {"messages": [{"role": "user"}]}, "messages"),
+                        ("/tokenize", {"prompt": "x", "add_special_tokens": "y"},
+                         "add_special_tokens"),
+                        ("/detokenize", {"tokens": [49152]}, "tokens"),
+                        ("/detokenize", {"tokens": "abc"}, "tokens")]:
+                    async with s.post(url + path, json=body) as r:
+                        assert_openai_error(r.status, await r.read(), 400, param)
+            assert engine.added == []
+    run(main())
+
+
+def test_error_body_stays_small_however_much_is_wrong(smollm_tokenizer):
+    everything_wrong = {f"junk{i}": float("nan") for i in range(20_000)}
+    everything_wrong.update(model="m" * 100_000, prompt="", temperature=-1, top_p=9, n=99,
+                            stop=[""] * 1000, messages=7, max_tokens=-1)
+    raw = json.dumps(everything_wrong).encode()
+    assert len(raw) > 300_000
+
+    async def main():
+        async with api_server(smollm_tokenizer, LIMITS) as (url, engine):
+            async with aiohttp.ClientSession() as s:
+                for path in (CMPL, CHAT):
+                    async with s.post(url + path, data=raw) as r:
+                        body = await r.read()
+                        assert r.status in (400, 404) and len(body) < 1500, body[:200]
+                bad_key = '{"' + "k" * 50_000 + '\\ud800": 1}'
+                async with s.post(url + CMPL, data=bad_key.encode()) as r:
+                    assert_openai_error(r.status, await r.read(), 400, None)
+                bad_value = '{"' + "k" * 50_000 + '": "\\ud800"}'
+                async with s.post(url + CMPL, data=bad_value.encode()) as r:
+                    body = await r.read()
+                    assert r.status == 400 and len(body) < 1500
+            assert engine.added == []
+    run(main())
+
+
+def test_valid_requests_reach_the_engine_with_their_fields(smollm_tokenizer):
+    """The control: the same routes accept good bodies, so the cases above can fail."""
+    async def main():
+        async with api_server(smollm_tokenizer, LIMITS) as (url, engine):
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + CMPL, data=cmpl(
+                        prompt=[5] * 100, max_tokens=27, n=4, stop=["a", "b", "c"], logprobs=5,
+                        temperature=2, top_k=49152, seed=-2 ** 63, stop_token_ids=[49151],
+                        echo=False, logit_bias={}, user="u")) as r:
+                    assert r.status == 200, await r.text()
+                    out = await r.json()
+                assert len(out["choices"]) == 4
+                assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+                async with s.post(url + CHAT, data=chat(
+                        logprobs=True, top_logprobs=5, max_completion_tokens=3,
+                        stream=True, stream_options={"include_usage": True})) as r:
+                    assert r.status == 200 and r.content_type == "text/event-stream"
+                    await r.read()
+        (_, ids, params, salt), (_, _, chat_params, _) = engine.added
+        assert ids == [5] * 100 and (params.n, params.max_tokens, params.logprobs) == (4, 27, 5)
+        assert params.stop == ["a", "b", "c"] and params.top_k == 49152 and salt is None
+        assert chat_params.logprobs == 5 and chat_params.max_tokens == 3
+    run(main())
+
+
+def test_a_bug_behind_the_api_is_a_bare_500_without_path_or_traceback(smollm_tokenizer):
+    async def main():
+        async with api_server(smollm_tokenizer) as (url, engine):
+            engine.fail_with = RuntimeError("boom in /work/folio/services/secret.py line 3")
+            async with aiohttp.ClientSession() as s:
+                for stream in (False, True):
+                    async with s.post(url + CMPL, data=cmpl(stream=stream)) as r:
+                        body = await r.read()
+                        assert r.status == 500 and r.content_type == "application/json"
+                        err = json.loads(body)["error"]
+                        assert err["message"] == "internal server error"
+                        assert b"secret" not in body and b"boom" not in body
+                engine.fail_with = None  # and the server keeps serving
+                async with s.post(url + CMPL, data=cmpl()) as r:
+                    assert r.status == 200
+    run(main())
