@@ -133,6 +133,25 @@ def make_plan(query_start_loc: list[int], seq_lens: list[int], block_tables: tor
                               decode_tables, decode_lens, sliding_window)
 
 
+def pack_aligned(parts: list, dtype, device: torch.device) -> list[torch.Tensor]:
+    """1-D integer arrays (or lists) as ``dtype`` tensors on ``device``: views of one
+    tensor filled by one host-to-device copy.
+
+    Each part starts 16-byte aligned, as a fresh allocation would: Triton specialises
+    kernels on pointer alignment, so unaligned views would compile extra variants.
+    """
+    per_16 = 16 // np.dtype(dtype).itemsize
+    sizes = [len(p) for p in parts]
+    starts = np.cumsum([0] + [-(-n // per_16) * per_16 for n in sizes])
+    packed = np.zeros(int(starts[-1]), dtype=dtype)
+    for start, n, part in zip(starts, sizes, parts):
+        packed[start:start + n] = part
+    on_device = torch.from_numpy(packed)
+    if device.type != "cpu":
+        on_device = on_device.to(device, non_blocking=True)
+    return [on_device[start:start + n] for start, n in zip(starts, sizes)]
+
+
 def make_ragged_plan(query_start_loc: list[int], seq_lens: list[int],
                      block_tables: np.ndarray, device: torch.device, num_kv_heads: int,
                      sliding_window: int | None = None,
@@ -143,19 +162,15 @@ def make_ragged_plan(query_start_loc: list[int], seq_lens: list[int],
     batches that would not fill the GPU; None never splits.
     """
     num_reqs, width = block_tables.shape
-    packed = np.concatenate([np.asarray(query_start_loc, dtype=np.int32),
-                             np.asarray(seq_lens, dtype=np.int32),
-                             block_tables.astype(np.int32, copy=False).reshape(-1)])
-    on_device = torch.from_numpy(packed).to(device, non_blocking=True)
+    qsl, lens, tables = pack_aligned([query_start_loc, seq_lens, block_tables.reshape(-1)],
+                                     np.int32, device)
     max_query_len = max(b - a for a, b in zip(query_start_loc, query_start_loc[1:]))
     num_splits = 1
     if num_sms is not None:
         num_splits = choose_num_splits(num_reqs, num_kv_heads, max_query_len, max(seq_lens),
                                        num_sms)
-    meta = RaggedAttentionMetadata(
-        query_start_loc=on_device[:num_reqs + 1], seq_lens=on_device[num_reqs + 1:2 * num_reqs + 1],
-        block_tables=on_device[2 * num_reqs + 1:].view(num_reqs, width),
-        max_query_len=max_query_len, num_splits=num_splits)
+    meta = RaggedAttentionMetadata(qsl, lens, tables.view(num_reqs, width), max_query_len,
+                                   num_splits)
     num_decodes = sum(1 for a, b in zip(query_start_loc, query_start_loc[1:]) if b - a == 1)
     return PagedAttentionPlan(num_decodes, None, None, [], sliding_window=sliding_window,
                               ragged=meta)

@@ -39,7 +39,9 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-@triton.jit
+# num_reqs and the block-table width change from step to step: specialising on their
+# values (== 1, multiple of 16) would compile new variants in the middle of serving.
+@triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
 def _ragged_paged_attention_kernel(
         out_ptr, part_out_ptr, part_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
         block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, scale_log2, num_reqs,

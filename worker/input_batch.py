@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.paged_attention import make_plan, make_ragged_plan
+from kernels.paged_attention import make_plan, make_ragged_plan, pack_aligned
 from worker.attention_backend import NATIVE_CPU, TORCH, AttentionBackend
 from worker.models.llama import AttentionContext
 from worker.request_state import CachedRequestState
@@ -42,12 +42,12 @@ class InputBatch:
         return self.query_start_loc[-1] == len(self.seq_lens)
 
 
-def _token_arrays(states, counts, block_size):
-    """input_ids, positions, slot_mapping (int64 [T] each) and block_tables [R, W]."""
-    num_tokens = sum(counts)
+def _token_arrays(states, counts, query_start_loc, block_size):
+    """input_ids (a list), positions and slot_mapping (int64 [T]), block_tables [R, W]."""
+    num_tokens = query_start_loc[-1]
     req_index = np.repeat(np.arange(len(states)), counts)
     starts = np.asarray([s.num_computed_tokens for s in states], dtype=np.int64)
-    qsl = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    qsl = np.asarray(query_start_loc[:-1], dtype=np.int64)
     positions = starts[req_index] + (np.arange(num_tokens) - qsl[req_index])
     max_blocks = max(len(s.block_ids) for s in states)
     block_tables = np.zeros((len(states), max_blocks), dtype=np.int64)
@@ -55,10 +55,8 @@ def _token_arrays(states, counts, block_size):
         block_tables[i, :len(s.block_ids)] = s.block_ids
     slot_mapping = (block_tables[req_index, positions // block_size] * block_size
                     + positions % block_size)
-    input_ids = np.fromiter((t for s, n in zip(states, counts)
-                             for t in s.token_ids[s.num_computed_tokens:
-                                                  s.num_computed_tokens + n]),
-                            dtype=np.int64, count=num_tokens)
+    input_ids = [t for s, n in zip(states, counts)
+                 for t in s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n]]
     return input_ids, positions, slot_mapping, block_tables
 
 
@@ -82,8 +80,8 @@ def build_input_batch(states: list[CachedRequestState], num_scheduled: list[int]
         if start + n == len(state.token_ids):
             logits_indices.append(query_start_loc[-1] - 1)
             sampling_states.append(state)
-    input_ids, positions, slot_mapping, block_tables = _token_arrays(states, counts,
-                                                                     block_size)
+    input_ids, positions, slot_mapping, block_tables = _token_arrays(
+        states, counts, query_start_loc, block_size)
     device = backend.device
     if backend.is_triton:
         plan = make_ragged_plan(query_start_loc, seq_lens, block_tables, device,
@@ -93,14 +91,15 @@ def build_input_batch(states: list[CachedRequestState], num_scheduled: list[int]
                          block_size, sliding_window, backend.name == NATIVE_CPU)
         if device.type != "cpu":
             plan = plan.to(device)
-    # one host-to-device copy for every token-level array
-    packed = torch.from_numpy(np.concatenate([input_ids, positions, slot_mapping,
-                                              np.asarray(logits_indices, dtype=np.int64)]))
-    if device.type != "cpu":
-        packed = packed.to(device, non_blocking=True)
-    t = len(input_ids)
+    if device.type == "cpu":
+        input_ids, positions, slot_mapping, logits_indices = (
+            torch.tensor(input_ids, dtype=torch.int64), torch.from_numpy(positions),
+            torch.from_numpy(slot_mapping), torch.tensor(logits_indices, dtype=torch.int64))
+    else:  # one host-to-device copy for every token-level array
+        input_ids, positions, slot_mapping, logits_indices = pack_aligned(
+            [input_ids, positions, slot_mapping, logits_indices], np.int64, device)
     return InputBatch(
-        input_ids=packed[:t], positions=packed[t:2 * t],
-        attn=AttentionContext(slot_mapping=packed[2 * t:3 * t], plan=plan),
-        logits_indices=packed[3 * t:], sampling_states=sampling_states,
+        input_ids=input_ids, positions=positions,
+        attn=AttentionContext(slot_mapping=slot_mapping, plan=plan),
+        logits_indices=logits_indices, sampling_states=sampling_states,
         query_start_loc=query_start_loc, seq_lens=seq_lens)
