@@ -2,7 +2,10 @@
 
 ``make_case`` lays requests out decodes first (as the runner does), writes each
 request's cached context and this step's keys into shuffled, non-contiguous blocks,
-and returns everything both the torch reference and the Triton kernel need.
+and returns everything both the torch reference and the Triton kernel need. Every
+request also owns one more, still empty block at the end of its table (the scheduler
+allocates ahead), and every slot that holds no key is NaN: a kernel that reads past a
+sequence, or fails to mask a partly filled last block, turns its output into NaN.
 """
 from __future__ import annotations
 
@@ -57,12 +60,11 @@ def make_case(shapes: list[tuple[int, int]], block_size: int, num_heads: int,
     """``shapes``: ``(context_len, query_len)`` per request, reordered decodes first."""
     gen = torch.Generator().manual_seed(seed)
     shapes = sorted(shapes, key=lambda s: s[1] != 1)
-    blocks = [-(-(c + q) // block_size) for c, q in shapes]
-    max_blocks = max(max(blocks), 1)
+    blocks = [-(-(c + q) // block_size) + 1 for c, q in shapes]  # + an empty last block
+    max_blocks = max(blocks)
     num_blocks = 1 + sum(blocks) + spare_blocks
-    # garbage (not zeros) in unused slots: a kernel that reads past a sequence shows it
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
-    kv_cache = kv_cache.to(dtype)
+    kv_cache = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"),
+                          dtype=dtype)
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     tables = torch.zeros(len(shapes), max_blocks, dtype=torch.int64)
     qsl, seq_lens, queries, keys, values, slots = [0], [], [], [], [], []

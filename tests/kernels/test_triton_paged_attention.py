@@ -4,7 +4,6 @@ On the CPU the kernel runs in Triton's interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1 there); with a GPU and TRITON_INTERPRET=0 the same tests run the
 compiled kernel. Shapes stay small: the interpreter pays per program and per op.
 """
-import numpy as np
 import pytest
 import torch
 
@@ -120,4 +119,3 @@ def test_empty_batch():
     out = ragged_paged_attention(q, cache, z.view(0, 1), z, torch.zeros(1, dtype=torch.int32),
                                  1, 1.0)
     assert out.shape == (0, 2, 16)
-    assert np.prod(out.shape) == 0
