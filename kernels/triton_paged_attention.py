@@ -39,6 +39,46 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@triton.jit
+def _key_tiles(first_q_pos, end_q_pos, split, SLIDING_WINDOW: tl.constexpr,
+               BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Keys a query tile can see, [k_lo, k_hi), and this split's share of its tiles.
+
+    The last query (position end_q_pos - 1) sees up to itself; with a window W the
+    first one sees nothing before first_q_pos - W + 1. (a + b - 1) // b rather than
+    tl.cdiv: device functions are slow in the interpreter.
+    """
+    k_hi = end_q_pos
+    k_lo = 0
+    if SLIDING_WINDOW > 0:
+        k_lo = tl.maximum(first_q_pos - SLIDING_WINDOW + 1, 0)
+    num_tiles = (k_hi - k_lo + BLOCK_N - 1) // BLOCK_N
+    tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
+    tile_begin = split * tiles_per_split
+    return k_lo, k_hi, tile_begin, tl.minimum(tile_begin + tiles_per_split, num_tiles)
+
+
+@triton.jit
+def _store_tile(out_ptr, part_out_ptr, part_lse_ptr, acc, m_i, l_i, tok, head, row_ok, dims,
+                dim_ok, split, stride_ot, stride_oh, num_heads, HEAD_DIM_PAD: tl.constexpr,
+                NUM_SPLITS: tl.constexpr):
+    """Normalise and write a tile's rows: the output itself, or with split-KV this
+    split's partial output and log-sum-exp (base 2) for _merge_splits_kernel."""
+    empty = l_i == 0.0  # padding rows, empty splits, seq_len 0
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    store_mask = row_ok[:, None] & dim_ok[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=store_mask)
+    else:
+        # partials: out [T, H, NUM_SPLITS, HEAD_DIM_PAD], lse [T, H, NUM_SPLITS]
+        part = (tok * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], out,
+                 mask=store_mask)
+        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
 # num_reqs and the block-table width change from step to step: specialising on their
 # values (== 1, multiple of 16) would compile new variants in the middle of serving.
 @triton.jit(do_not_specialize=["num_reqs", "stride_bt"])
@@ -54,7 +94,8 @@ def _ragged_paged_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     # The request: the largest r with query_start_loc[r] // BLOCK_Q + r <= q_tile.
-    # (Inline: the interpreter re-patches triton.language on every device-function call.)
+    # (Inline, like the tile loop: the interpreter re-patches triton.language on every
+    # device-function call, so helpers are only called once per program.)
     req = 0
     hi = num_reqs  # invariant: the answer lies in [req, hi)
     while hi - req > 1:
@@ -82,19 +123,10 @@ def _ragged_paged_attention_kernel(
     if UPCAST:  # the interpreter computes bf16 arithmetic wrongly
         q = q.to(tl.float32)
 
-    # Keys this tile can see: [k_lo, k_hi). The last query sees up to itself; with a
-    # window W the first query sees nothing before q_pos - W + 1.
-    last_tok = tl.minimum(q_tile_start + BLOCK_Q, q_end) - 1
-    k_hi = context_len + last_tok - q_begin + 1
-    k_lo = 0
-    if SLIDING_WINDOW > 0:
-        k_lo = tl.maximum(context_len + q_tile_start - q_begin - SLIDING_WINDOW + 1, 0)
-    # (a + b - 1) // b rather than tl.cdiv, and tl.full rather than tl.zeros: those are
-    # device functions, which the interpreter makes slow.
-    num_tiles = (k_hi - k_lo + BLOCK_N - 1) // BLOCK_N
-    tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
-    tile_begin = split * tiles_per_split
-    tile_end = tl.minimum(tile_begin + tiles_per_split, num_tiles)
+    first_q_pos = context_len + q_tile_start - q_begin
+    end_q_pos = context_len + tl.minimum(q_tile_start + BLOCK_Q, q_end) - q_begin
+    k_lo, k_hi, tile_begin, tile_end = _key_tiles(first_q_pos, end_q_pos, split,
+                                                  SLIDING_WINDOW, BLOCK_N, NUM_SPLITS)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
@@ -127,19 +159,9 @@ def _ragged_paged_attention_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    empty = l_i == 0.0  # padding rows, empty splits, seq_len 0
-    out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    store_mask = row_ok[:, None] & dim_ok[None, :]
-    if NUM_SPLITS == 1:
-        tl.store(out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=store_mask)
-    else:
-        # partials: out [T, H, NUM_SPLITS, HEAD_DIM_PAD], lse [T, H, NUM_SPLITS] (base 2)
-        part = (tok * tl.num_programs(1) * GROUP + head) * NUM_SPLITS + split
-        tl.store(part_out_ptr + part[:, None] * HEAD_DIM_PAD + dims[None, :], out,
-                 mask=store_mask)
-        lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+    _store_tile(out_ptr, part_out_ptr, part_lse_ptr, acc, m_i, l_i, tok, head, row_ok, dims,
+                dim_ok, split, stride_ot, stride_oh, tl.num_programs(1) * GROUP, HEAD_DIM_PAD,
+                NUM_SPLITS)
 
 
 @triton.jit
