@@ -54,36 +54,41 @@ def _dummy_states(lengths: list[int], block_size: int) -> list[CachedRequestStat
 
 
 @torch.inference_mode()
-def profile_kv_cache_bytes(runner, max_num_batched_tokens: int, max_num_seqs: int,
-                           utilization: float) -> int:
-    """Run the profiling step on ``runner`` (a CUDA ModelRunner); the KV budget in bytes."""
+def run_profile_step(runner, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+    """The largest step on a scratch cache (any device); returns the scratch bytes."""
     from worker.input_batch import build_input_batch
-    device = runner.device
-    assert device.type == "cuda", "memory profiling is for CUDA devices"
     lengths = profile_prompt_lengths(max_num_batched_tokens, runner.max_model_len,
                                      max_num_seqs)
     states = _dummy_states(lengths, runner.block_size)
     spec = KVCacheSpec.for_model(runner.arch, runner.block_size, runner.dtype)
     scratch_blocks = 1 + sum(len(s.block_ids) for s in states)
-    torch.cuda.synchronize(device)
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    scratch = allocate_kv_cache(spec, scratch_blocks, device)
+    scratch = allocate_kv_cache(spec, scratch_blocks, runner.device)
     batch = build_input_batch(states, lengths, runner.block_size, runner.arch.sliding_window,
                               runner.attention_backend)
     hidden = runner.model(batch.input_ids, batch.positions, scratch, batch.attn)
     rows = hidden[-1:].expand(min(max_num_seqs, 4096), -1)  # logits as a full step has
     runner.model.compute_logits(rows)
+    log.info("profiling step", tokens=sum(lengths), seqs=len(lengths))
+    return scratch_blocks * spec.bytes_per_block
+
+
+def profile_kv_cache_bytes(runner, max_num_batched_tokens: int, max_num_seqs: int,
+                           utilization: float) -> int:
+    """Run the profiling step on ``runner`` (a CUDA ModelRunner); the KV budget in bytes."""
+    device = runner.device
+    assert device.type == "cuda", "memory profiling is for CUDA devices"
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - scratch_blocks * spec.bytes_per_block
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    scratch_bytes = run_profile_step(runner, max_num_batched_tokens, max_num_seqs)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - scratch_bytes
     free, total = torch.cuda.mem_get_info(device)
     non_torch = (total - free) - torch.cuda.memory_reserved(device)
-    del scratch, batch, hidden, rows
-    torch.cuda.empty_cache()
+    torch.cuda.empty_cache()  # the step's activations and scratch cache go back
     budget = kv_cache_budget(total, utilization, peak, non_torch)
     log.info("gpu memory profiled", total_gib=round(total / 2 ** 30, 2),
              utilization=utilization, peak_torch_gib=round(peak / 2 ** 30, 3),
              non_torch_gib=round(non_torch / 2 ** 30, 3),
-             kv_cache_gib=round(budget / 2 ** 30, 3), profile_tokens=sum(lengths),
-             profile_seqs=len(lengths))
+             kv_cache_gib=round(budget / 2 ** 30, 3))
     return budget

@@ -135,3 +135,16 @@ def test_decode_graph_padding_matches_eager(make_tiny_llm, monkeypatch):
     torch.testing.assert_close(padded[:3], eager, atol=1e-5, rtol=1e-5)
     for before, after in zip(cache_after_eager, runner.kv_caches):
         assert torch.equal(before, after)  # real slots rewritten identically, nothing else
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_profiling_step_runs_the_largest_batch(make_tiny_llm, backend):
+    """The step the GPU sizing measures: on the CPU only its shape can be checked."""
+    from worker.gpu_memory import run_profile_step
+    llm = make_tiny_llm(attention_backend=backend, max_model_len=48, num_blocks=16)
+    runner = llm.runner
+    scratch = run_profile_step(runner, max_num_batched_tokens=100, max_num_seqs=8)
+    # 100 tokens as 3 prompts of at most 48 (34 + 33 + 33): 3 blocks each + the null one
+    blocks = 1 + 3 * 3
+    bytes_per_block = sum(c.nbytes // c.shape[1] for c in runner.kv_caches)  # all layers
+    assert scratch == blocks * bytes_per_block
