@@ -64,11 +64,16 @@ def load_hf_model(dtype):
     return model.to(dtype).eval()
 
 
-def run_hf(reqs, args, dtype):
-    model = load_hf_model(dtype)
+def hf_static_batch_generate(model, reqs, batch_size: int) -> dict:
+    """Hugging Face ``generate`` at its best static batching, on the model's device:
+    requests sorted by output then prompt length, left padding, each batch generating
+    exactly its longest requested output; only requested tokens count."""
+    device = model.device
     order = sorted(range(len(reqs)), key=lambda i: (reqs[i][1], len(reqs[i][0])))
     pad = 0
-    batches = [order[i:i + args.hf_batch_size] for i in range(0, len(order), args.hf_batch_size)]
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     useful = 0
     with torch.inference_mode():
@@ -81,12 +86,18 @@ def run_hf(reqs, args, dtype):
                 ids[row, longest - len(p):] = torch.tensor(p)
                 mask[row, longest - len(p):] = 1
             new = max(reqs[i][1] for i in batch)
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                                 min_new_tokens=new, do_sample=False, pad_token_id=pad)
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
+                                 max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                 pad_token_id=pad)
             assert out.shape[1] == longest + new
             useful += sum(reqs[i][1] for i in batch)
+    sync()
     return {"seconds": time.perf_counter() - t0, "output_tokens": useful,
-            "batch_size": args.hf_batch_size}
+            "batch_size": batch_size}
+
+
+def run_hf(reqs, args, dtype):
+    return hf_static_batch_generate(load_hf_model(dtype), reqs, args.hf_batch_size)
 
 
 def main():

@@ -42,6 +42,8 @@ FLAT_ALIASES = {
     "prefix_caching_hash_algo": "cache.hash_algorithm",
     "device": "worker.device",
     "num_threads": "worker.num_threads",
+    "enforce_eager": "worker.enforce_eager",
+    "attention_backend": "worker.attention_backend",
 }
 
 

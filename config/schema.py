@@ -60,7 +60,8 @@ class MemoryConfig:
 
     kv_cache_bytes: int = _f(2 * 1024 ** 3, "KV-cache budget in bytes on the CPU")
     gpu_memory_utilization: float = _f(0.9, "fraction of GPU memory Folio may use in all "
-                                       "(weights, activations, KV cache)")
+                                       "(weights, activations, KV cache); the KV pool gets "
+                                       "what a profiling step at the largest batch leaves")
     block_size: int = _f(16, "tokens per KV-cache block (page)")
     num_blocks: int | None = _f(None, "force the number of KV blocks (tests, tuning); null "
                                 "sizes the pool from the budget")
@@ -111,7 +112,7 @@ class CacheConfig:
 
 
 DEVICES = ("auto", "cpu", "cuda")
-ATTENTION_BACKENDS = ("auto", "torch")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +121,13 @@ class WorkerConfig:
 
     device: str = _f("auto", "auto|cpu|cuda (auto: cuda when available)")
     num_threads: int = _f(0, "CPU threads for torch; 0 keeps torch's default (all cores)")
-    attention_backend: str = _f("auto", "auto (native CPU decode kernel when it builds, "
-                                "else torch) or torch (the reference everywhere)")
+    attention_backend: str = _f("auto", "auto (Triton kernels on CUDA; on a CPU the native "
+                                "decode kernel when it builds, else torch), torch (the "
+                                "reference everywhere) or triton (on a CPU only under "
+                                "TRITON_INTERPRET=1, for tests)")
+    enforce_eager: bool = _f(False, "CUDA: run every step eagerly; false captures decode "
+                             "steps as CUDA graphs over a ladder of batch sizes (1, 2, 4, 8, "
+                             "16, 32, ... up to scheduler.max_num_seqs, at most 512)")
     pack_weights: bool = _f(True, "CPU float32: pack linear weights into MKL's GEMM layout "
                             "once at load (1.5-2x faster matmuls at 32+ rows, about "
                             "2x the weights' memory)")

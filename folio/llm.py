@@ -43,7 +43,8 @@ class LLM:
         log.info("config resolved", config=config_to_dict(self.config))
         model_path = resolve_model_path(self.config.model.path)
         self.tokenizer = Tokenizer.from_model_path(self.config.model.tokenizer or model_path)
-        self.runner = ModelRunner(self.config.model, self.config.memory, self.config.worker)
+        self.runner = ModelRunner(self.config.model, self.config.memory, self.config.worker,
+                                  self.config.scheduler)
         num_blocks = self.runner.initialize_kv_cache()
         eos = tuple(dict.fromkeys((*self.runner.eos_token_ids, *self.tokenizer.eos_token_ids)))
         self.engine = EngineCore(

@@ -13,14 +13,20 @@ positions up to its own (causal), and, with a sliding window W, only the last W 
 The current step's keys must already be written into the cache (reshape_and_cache).
 
 ``PagedAttentionPlan`` holds what the reference derives from the batch once per step
-(gather indices and masks), so each layer only gathers and multiplies.
+(gather indices and masks), so each layer only gathers and multiplies. On CUDA the plan
+carries ``RaggedAttentionMetadata`` instead: the batch as device tensors, read in place
+by the Triton kernel (kernels/triton_paged_attention.py), with no per-step host work
+beyond one copy.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+from kernels.triton_paged_attention import choose_num_splits, ragged_paged_attention
 
 
 @dataclass(slots=True)
@@ -32,6 +38,17 @@ class PrefillSegment:
     seq_len: int
     key_slots: torch.Tensor | None  # [seq_len] slots to gather; None: keys are this step's
     mask: torch.Tensor | None  # [q_len, seq_len] bool, True = attend; None: plain causal
+
+
+@dataclass(slots=True)
+class RaggedAttentionMetadata:
+    """The batch as the Triton kernel reads it: integer tensors on the cache's device."""
+
+    query_start_loc: torch.Tensor  # [R + 1] int32
+    seq_lens: torch.Tensor  # [R] int32
+    block_tables: torch.Tensor  # [R, max_blocks] int32
+    max_query_len: int  # picks the tile shape only
+    num_splits: int = 1  # split-KV parts (1: none)
 
 
 @dataclass(slots=True)
@@ -49,6 +66,18 @@ class PagedAttentionPlan:
     decode_block_tables: torch.Tensor | None = None  # native: [num_decodes, max_blocks]
     decode_seq_lens: torch.Tensor | None = None  # native: [num_decodes]
     sliding_window: int | None = None
+    ragged: RaggedAttentionMetadata | None = None  # Triton: everything runs in one kernel
+
+    def to(self, device: torch.device) -> "PagedAttentionPlan":
+        """The reference's tensors moved to ``device`` (the torch backend on a GPU)."""
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=True)
+        prefills = [PrefillSegment(p.start, p.end, p.seq_len, move(p.key_slots), move(p.mask))
+                    for p in self.prefills]
+        return PagedAttentionPlan(self.num_decodes, move(self.decode_slots),
+                                  move(self.decode_mask), prefills,
+                                  move(self.decode_block_tables), move(self.decode_seq_lens),
+                                  self.sliding_window, self.ragged)
 
 
 def _positions_to_slots(block_table: torch.Tensor, positions: torch.Tensor,
@@ -102,6 +131,49 @@ def make_plan(query_start_loc: list[int], seq_lens: list[int], block_tables: tor
         prefills.append(PrefillSegment(start, end, seq_len, key_slots, mask))
     return PagedAttentionPlan(num_decodes, decode_slots, decode_mask, prefills,
                               decode_tables, decode_lens, sliding_window)
+
+
+def pack_aligned(parts: list, dtype, device: torch.device) -> list[torch.Tensor]:
+    """1-D integer arrays (or lists) as ``dtype`` tensors on ``device``: views of one
+    tensor filled by one host-to-device copy.
+
+    Each part starts 16-byte aligned, as a fresh allocation would: Triton specialises
+    kernels on pointer alignment, so unaligned views would compile extra variants.
+    """
+    per_16 = 16 // np.dtype(dtype).itemsize
+    sizes = [len(p) for p in parts]
+    starts = np.cumsum([0] + [-(-n // per_16) * per_16 for n in sizes])
+    packed = np.zeros(int(starts[-1]), dtype=dtype)
+    for start, n, part in zip(starts, sizes, parts):
+        packed[start:start + n] = part
+    on_device = torch.from_numpy(packed)
+    if device.type != "cpu":
+        on_device = on_device.to(device, non_blocking=True)
+    return [on_device[start:start + n] for start, n in zip(starts, sizes)]
+
+
+def make_ragged_plan(query_start_loc: list[int], seq_lens: list[int],
+                     block_tables: np.ndarray, device: torch.device, num_kv_heads: int,
+                     sliding_window: int | None = None,
+                     num_sms: int | None = None) -> PagedAttentionPlan:
+    """The Triton kernel's plan: the batch packed into one int32 host-to-device copy.
+
+    ``num_sms`` (the GPU's multiprocessor count) enables split-KV for decode-only
+    batches that would not fill the GPU; None never splits.
+    """
+    num_reqs, width = block_tables.shape
+    qsl, lens, tables = pack_aligned([query_start_loc, seq_lens, block_tables.reshape(-1)],
+                                     np.int32, device)
+    max_query_len = max(b - a for a, b in zip(query_start_loc, query_start_loc[1:]))
+    num_splits = 1
+    if num_sms is not None:
+        num_splits = choose_num_splits(num_reqs, num_kv_heads, max_query_len, max(seq_lens),
+                                       num_sms)
+    meta = RaggedAttentionMetadata(qsl, lens, tables.view(num_reqs, width), max_query_len,
+                                   num_splits)
+    num_decodes = sum(1 for a, b in zip(query_start_loc, query_start_loc[1:]) if b - a == 1)
+    return PagedAttentionPlan(num_decodes, None, None, [], sliding_window=sliding_window,
+                              ragged=meta)
 
 
 def _decode_attention(query, k_flat, v_flat, plan, scale):
@@ -167,8 +239,15 @@ def paged_attention_reference(query: torch.Tensor, key: torch.Tensor, value: tor
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     kv_cache: torch.Tensor, plan: PagedAttentionPlan,
                     scale: float) -> torch.Tensor:
-    """Public entry point: decodes through the native kernel when the plan says so,
-    prefill segments (and every decode otherwise) through the torch reference."""
+    """Public entry point. A plan with ``ragged`` metadata runs the Triton kernel (the
+    whole batch at once); otherwise decodes go through the native CPU kernel when the
+    plan says so, and prefill segments (and every decode otherwise) through the torch
+    reference."""
+    if plan.ragged is not None:
+        m = plan.ragged
+        return ragged_paged_attention(query, kv_cache, m.block_tables, m.seq_lens,
+                                      m.query_start_loc, m.max_query_len, scale,
+                                      plan.sliding_window, m.num_splits)
     if plan.decode_block_tables is None:
         return paged_attention_reference(query, key, value, kv_cache, plan, scale)
     from kernels.cpu_paged_attention import paged_attention_decode

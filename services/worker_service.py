@@ -42,7 +42,8 @@ class WorkerService:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="folio-step")
         # copy_context: the thread's log lines keep the service's bound fields
         self.runner = self._pool.submit(contextvars.copy_context().run, ModelRunner,
-                                        config.model, config.memory, config.worker).result()
+                                        config.model, config.memory, config.worker,
+                                        config.scheduler).result()
         self.num_blocks = self._pool.submit(self.runner.initialize_kv_cache).result()
         tokenizer_path = config.model.tokenizer or resolve_model_path(config.model.path)
         tokenizer = Tokenizer.from_model_path(tokenizer_path)

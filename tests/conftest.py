@@ -7,6 +7,11 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Triton kernels run in Triton's interpreter (on CPU tensors) unless the machine has an
+# NVIDIA GPU. Set here, before any test module imports kernels/: @triton.jit reads it
+# when a kernel is defined. TRITON_INTERPRET=0 forces real kernels.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TINY_VOCAB = 49152  # the default model's vocabulary, so its tokenizer serves tiny models
 

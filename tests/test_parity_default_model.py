@@ -45,16 +45,18 @@ def hf_model(default_model_path):
 
 
 def prefill_logits(runner, token_ids):
-    """All-position logits from our model, through the paged path, on a scratch cache."""
+    """All-position logits from our model, through the paged path, on a scratch cache
+    (on the runner's device with its attention backend: Triton on a GPU)."""
     spec = KVCacheSpec.for_model(runner.arch, 16, torch.float32)
     num_blocks = -(-len(token_ids) // 16)
-    caches = allocate_kv_cache(spec, num_blocks + 1, torch.device("cpu"))
+    caches = allocate_kv_cache(spec, num_blocks + 1, runner.device)
     state = CachedRequestState("p", list(token_ids), len(token_ids), SamplingParams(),
                                list(range(1, num_blocks + 1)), 0, None)
-    batch = build_input_batch([state], [len(token_ids)], 16, runner.arch.sliding_window)
+    batch = build_input_batch([state], [len(token_ids)], 16, runner.arch.sliding_window,
+                              runner.attention_backend)
     with torch.inference_mode():
         hidden = runner.model(batch.input_ids, batch.positions, caches, batch.attn)
-        return runner.model.compute_logits(hidden)
+        return runner.model.compute_logits(hidden).cpu()
 
 
 def test_greedy_tokens_identical(llm, hf_model):

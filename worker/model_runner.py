@@ -6,12 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
-from config.schema import MemoryConfig, ModelConfig, WorkerConfig
+from config.schema import MemoryConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from engine_core.outputs import ModelRunnerOutput
 from engine_core.scheduler_output import SchedulerOutput
 from observability.logging import get_logger
+from worker.attention_backend import (NATIVE_CPU, AttentionBackend, choose_attention_backend,
+                                     make_attention_backend)
 from worker.device import resolve_device, resolve_dtype
-from worker.input_batch import build_input_batch
+from worker.input_batch import InputBatch, build_input_batch
 from worker.kv_cache import KVCacheSpec, allocate_kv_cache, copy_blocks
 from worker.loader import load_model
 from worker.models.linear import pack_linear_layers
@@ -36,14 +38,18 @@ class ModelRunner:
     """Keeps per-request state across steps and runs one flat batch per step.
 
     Life cycle: ``ModelRunner(...)`` loads weights; ``initialize_kv_cache()`` sizes and
-    allocates the pool and returns its number of blocks; ``execute_model()`` runs steps.
+    allocates the pool (on CUDA from a profiling step, then captures the decode CUDA
+    graphs) and returns its number of blocks; ``execute_model()`` runs steps.
+    ``scheduler_config`` gives the largest step (profiling, graph sizes); its defaults
+    are used when it is None.
     """
 
     def __init__(self, model_config: ModelConfig, memory_config: MemoryConfig,
-                 worker_config: WorkerConfig):
+                 worker_config: WorkerConfig, scheduler_config: SchedulerConfig | None = None):
         self.model_config = model_config
         self.worker_config = worker_config
         self.memory_config = memory_config
+        self.scheduler_config = scheduler_config or SchedulerConfig()
         self.last_timing = StepTiming()
         if worker_config.num_threads:
             torch.set_num_threads(worker_config.num_threads)
@@ -67,16 +73,22 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         self.eos_token_ids = tuple(self.arch.eos_token_ids)
-        self.use_native_decode = self._pick_attention_backend()
+        self.attention_backend = self._pick_attention_backend()
+        self.cuda_graphs = None  # DecodeCudaGraphs once captured
 
-    def _pick_attention_backend(self) -> bool:
-        if self.worker_config.attention_backend == "torch" or self.device.type != "cpu":
-            return False
+    def _pick_attention_backend(self) -> AttentionBackend:
         from kernels import cpu_paged_attention
-        native = cpu_paged_attention.is_available()
-        log.info("attention backend", decode="native-cpu" if native else "torch",
-                 build_or_load_seconds=round(cpu_paged_attention.load_seconds or 0.0, 2))
-        return native
+        name = choose_attention_backend(self.worker_config.attention_backend, self.device,
+                                        cpu_paged_attention.is_available)
+        extra = {}
+        if self.device.type == "cpu" and cpu_paged_attention.load_seconds is not None:
+            extra["build_or_load_seconds"] = round(cpu_paged_attention.load_seconds, 2)
+        log.info("attention backend", backend=name, device=str(self.device), **extra)
+        return make_attention_backend(name, self.device, self.arch.num_key_value_heads)
+
+    @property
+    def use_native_decode(self) -> bool:
+        return self.attention_backend.name == NATIVE_CPU
 
     def _resolve_max_model_len(self) -> int:
         limit = self.arch.max_position_embeddings
@@ -88,23 +100,53 @@ class ModelRunner:
                              f"{limit} positions")
         return wanted
 
+    def _kv_cache_budget(self) -> tuple[int, str]:
+        """Bytes for the KV pool and the key that sets them (for error messages)."""
+        if self.device.type != "cuda":
+            return self.memory_config.kv_cache_bytes, "memory.kv_cache_bytes"
+        from worker.gpu_memory import profile_kv_cache_bytes
+        sched = self.scheduler_config
+        return (profile_kv_cache_bytes(self, sched.max_num_batched_tokens, sched.max_num_seqs,
+                                       self.memory_config.gpu_memory_utilization),
+                "memory.gpu_memory_utilization")
+
     def initialize_kv_cache(self) -> int:
-        """Allocate the KV pool from the memory budget; returns the number of blocks."""
+        """Allocate the KV pool from the memory budget; returns the number of blocks.
+
+        CPU: memory.kv_cache_bytes. CUDA: what a profiling step at the largest batch
+        leaves of memory.gpu_memory_utilization (worker/gpu_memory.py); then the decode
+        CUDA graphs are captured unless worker.enforce_eager. memory.num_blocks, when
+        set, overrides either budget.
+        """
         spec = KVCacheSpec.for_model(self.arch, self.block_size, self.dtype)
-        num_blocks = self.memory_config.num_blocks or spec.num_blocks_for(
-            self.memory_config.kv_cache_bytes)
+        num_blocks, key = self.memory_config.num_blocks, "memory.num_blocks"
+        if not num_blocks:
+            budget, key = self._kv_cache_budget()
+            num_blocks = spec.num_blocks_for(budget)
         needed = -(-self.max_model_len // self.block_size) + 1
         if num_blocks < needed:
             raise ValueError(
                 f"KV cache too small: {num_blocks} blocks of {self.block_size} tokens cannot "
                 f"hold one sequence of max_model_len={self.max_model_len} ({needed} blocks "
-                f"needed, {spec.bytes_per_block} bytes each); raise memory.kv_cache_bytes or "
-                f"lower model.max_model_len")
+                f"needed, {spec.bytes_per_block} bytes each); raise {key} or lower "
+                f"model.max_model_len")
         self.kv_caches = allocate_kv_cache(spec, num_blocks, self.device)
         log.info("kv cache allocated", num_blocks=num_blocks,
                  num_tokens=num_blocks * self.block_size,
-                 bytes=num_blocks * spec.bytes_per_block)
+                 bytes=num_blocks * spec.bytes_per_block, sized_by=key)
+        self._maybe_capture_cuda_graphs()
         return num_blocks
+
+    def _maybe_capture_cuda_graphs(self) -> None:
+        if (self.device.type != "cuda" or self.worker_config.enforce_eager
+                or not self.attention_backend.is_triton):
+            return
+        from worker.cuda_graphs import DecodeCudaGraphs, capture_sizes
+        max_blocks = -(-self.max_model_len // self.block_size) + 1
+        self.cuda_graphs = DecodeCudaGraphs(
+            self.model, self.kv_caches, capture_sizes(self.scheduler_config.max_num_seqs),
+            max_blocks, self.attention_backend, self.arch.sliding_window, self.max_model_len)
+        self.cuda_graphs.capture()
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -120,6 +162,13 @@ class ModelRunner:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+
+    def forward(self, batch: InputBatch) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` of one built batch: a captured CUDA graph when
+        one fits (decode-only batches), else the eager model."""
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
+            return self.cuda_graphs.run(batch)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -137,11 +186,10 @@ class ModelRunner:
         states = [self.requests[r] for r in req_ids]
         batch = build_input_batch(states, [so.num_scheduled_tokens[r] for r in req_ids],
                                   self.block_size, self.arch.sliding_window,
-                                  self.use_native_decode)
+                                  self.attention_backend)
         t1 = time.perf_counter()
         timing.prepare_seconds = t1 - t0
-        hidden = self.model(batch.input_ids.to(self.device), batch.positions.to(self.device),
-                            self.kv_caches, batch.attn)
+        hidden = self.forward(batch)
         for state, n in zip(states, (so.num_scheduled_tokens[r] for r in req_ids)):
             state.num_computed_tokens += n
         if not batch.sampling_states:

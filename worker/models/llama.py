@@ -15,6 +15,8 @@ from torch import nn
 
 from kernels.paged_attention import PagedAttentionPlan, paged_attention
 from kernels.reshape_and_cache import reshape_and_cache
+from kernels.rms_norm import rms_norm
+from kernels.rotary_embedding import rotary_embedding
 from worker.models.architecture import ModelArchitecture
 from worker.models.linear import Linear, linear
 from worker.models.rotary_embedding import RotaryAngles, RotaryEmbedding
@@ -29,7 +31,8 @@ class AttentionContext:
 
 
 class RMSNorm(nn.Module):
-    """RMS normalisation computed in float32, optionally fused with the residual add."""
+    """RMS normalisation computed in float32, optionally fused with the residual add
+    (one Triton kernel on CUDA; see kernels/rms_norm.py)."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
@@ -37,12 +40,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if residual is not None:
-            x = x + residual
-            residual = x
-        h = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        out = self.weight * h.to(x.dtype)
-        return out if residual is None else (out, residual)
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class LlamaAttention(nn.Module):
@@ -66,7 +64,7 @@ class LlamaAttention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = angles.rotate(q), angles.rotate(k)
+        q, k = rotary_embedding(q, k, angles.cos, angles.sin)
         reshape_and_cache(k, v, kv_cache, ctx.slot_mapping)
         out = paged_attention(q, k, v, kv_cache, ctx.plan, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))

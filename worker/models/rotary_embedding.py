@@ -50,14 +50,10 @@ class RotaryEmbedding(torch.nn.Module):
 
 
 class RotaryAngles:
-    """cos/sin ``[T, 1, head_dim / 2]`` for one step's positions."""
+    """cos/sin ``[T, 1, head_dim / 2]`` for one step's positions; the rotation itself is
+    kernels.rotary_embedding.rotary_embedding (q and k together)."""
 
     __slots__ = ("cos", "sin")
 
     def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
         self.cos, self.sin = cos, sin
-
-    def rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` ``[T, heads, head_dim]`` (rotate-half layout)."""
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * self.cos - x2 * self.sin, x2 * self.cos + x1 * self.sin), -1)

@@ -1,0 +1,63 @@
+"""Which attention implementation a worker runs, decided once at start-up.
+
+=============  ==========================================================================
+torch          the reference everywhere (gather + SDPA); the spec, and the fallback
+native-cpu     CPU: decodes through the C++ kernel (kernels/cpu_paged_attention.py),
+               prefill chunks through the reference
+triton         CUDA: the whole ragged batch in one Triton kernel per layer, with the batch
+               described by device tensors (kernels/triton_paged_attention.py); on a CPU
+               only under TRITON_INTERPRET=1 (tests)
+=============  ==========================================================================
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+TORCH, NATIVE_CPU, TRITON = "torch", "native-cpu", "triton"
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionBackend:
+    """The chosen backend and what building a batch for it needs."""
+
+    name: str
+    device: torch.device
+    num_kv_heads: int = 0  # triton: the split-KV heuristic counts programs per KV head
+    num_sms: int | None = None  # triton on CUDA: multiprocessors; None never splits KV
+
+    @property
+    def is_triton(self) -> bool:
+        return self.name == TRITON
+
+
+def choose_attention_backend(configured: str, device: torch.device,
+                             native_cpu_available=lambda: False) -> str:
+    """``configured`` is worker.attention_backend (auto|torch|triton).
+
+    auto: triton on CUDA, the native CPU kernel on a CPU where it builds, else torch.
+    ``native_cpu_available`` is only called when its answer matters (it may compile).
+    """
+    if configured == TORCH:
+        return TORCH
+    if configured == TRITON:
+        if device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+            raise ValueError("worker.attention_backend=triton on a CPU needs TRITON_INTERPRET=1 "
+                             "(Triton's interpreter, for tests); use auto or torch")
+        return TRITON
+    if device.type == "cuda":
+        return TRITON
+    if device.type == "cpu" and native_cpu_available():
+        return NATIVE_CPU
+    return TORCH
+
+
+def make_attention_backend(name: str, device: torch.device,
+                           num_kv_heads: int) -> AttentionBackend:
+    """The backend with its device facts (the multiprocessor count on CUDA)."""
+    num_sms = None
+    if name == TRITON and device.type == "cuda":
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return AttentionBackend(name, device, num_kv_heads, num_sms)
