@@ -9,6 +9,12 @@
 Adds and aborts are queued and applied between steps, never while a step is in
 flight, so the scheduler only ever sees a consistent world. The loop sleeps when no
 request is live and wakes on the next add.
+
+Backpressure: this service is the one authority on the queue limits (every API
+process's adds pass through it); it refuses adds past them with RequestRejected
+"queue_full" and tells every API process when the queue fills or drains (QueueState).
+Watchdog: a step the worker does not answer within ``services.step_timeout_s`` is a
+hung worker; the loop fails, /health answers 503 and the process exits 1.
 """
 from __future__ import annotations
 
@@ -32,8 +38,8 @@ from services.entrypoint import (StopSignal, first_completed, run_service,
 from observability.tracing import Tracing
 from services.engine_observer import EngineObserver
 from services.protocol import (AbortRequest, AddRequest, ExecuteStep, GetMetrics, Health,
-                               Metrics, OutputDelta, RequestRejected, StepResult,
-                               WorkerReady)
+                               Metrics, OutputDelta, QueueState, RequestRejected,
+                               StepResult, WorkerReady)
 from services.transport import Endpoint, PeerLink, connect, start_site, websocket_route
 
 log = get_logger(__name__)
@@ -65,6 +71,8 @@ class EngineCoreService:
         self.num_steps = 0
         self.last_step_time = time.monotonic()
         self._clients: set[PeerLink] = set()
+        self._queue_full = False  # what the API processes were last told
+        self.step_timeout_s = config.services.step_timeout_s
 
     async def connect_worker(self, timeout: float = 300.0) -> WorkerReady:
         """Open the worker link and build the EngineCore from its WorkerReady."""
@@ -97,6 +105,7 @@ class EngineCoreService:
     async def handle_client(self, link: PeerLink) -> None:
         """One API process: announce the model, then queue its adds and aborts."""
         await link.send(self.ready)
+        await link.send(self._queue_state())
         self._clients.add(link)
         try:
             async for message in link.messages():
@@ -104,7 +113,7 @@ class EngineCoreService:
                     self._inbox.append((link, message))
                     self._wake.set()
                 elif isinstance(message, Health):
-                    await link.send(Health(self.failure is None, self.health_detail()))
+                    await link.send(Health(self.is_healthy(), self.health_detail()))
                 elif isinstance(message, GetMetrics):
                     await link.send(Metrics(self.observer.render_metrics()))
         finally:
@@ -114,20 +123,36 @@ class EngineCoreService:
             self._inbox.append((link, AbortRequest(aborted)))
             self._wake.set()
 
-    def health_detail(self) -> dict[str, float]:
-        """Gauges a probe (or a test) needs to see that the engine is alive and clean."""
-        stats = self.engine.get_stats()
+    def _seconds_stalled(self) -> float:
+        """How long the loop has made no step while there is work (0 when idle)."""
         busy = self.engine.has_unfinished_requests() or bool(self._inbox)
+        return time.monotonic() - self.last_step_time if busy else 0.0
+
+    def is_healthy(self) -> bool:
+        """Alive and making progress: a live process whose steps stalled is not healthy."""
+        return (self.engine is not None and self.failure is None
+                and self._seconds_stalled() <= self.step_timeout_s)
+
+    def health_detail(self) -> dict[str, float]:
+        """Gauges a probe (or a test) needs to see that the engine is alive and clean:
+        after the last request ends, ``num_requests``, ``num_routed_requests`` and
+        ``num_referenced_blocks`` (blocks with a reference count above 0) are all 0."""
+        stats = self.engine.get_stats()
+        pool = self.engine.scheduler.kv_cache_manager.block_pool
         return {"num_running": stats.num_running, "num_waiting": stats.num_waiting,
-                "num_free_blocks": self.engine.scheduler.kv_cache_manager.num_free_blocks,
+                "num_waiting_tokens": stats.num_waiting_tokens,
+                "is_queue_full": float(self.engine.is_queue_full()),
+                "num_requests": self.engine.scheduler.get_num_unfinished_requests(),
+                "num_routed_requests": len(self._owner),
+                "num_free_blocks": pool.num_free_blocks,
                 "num_blocks": self.ready.num_blocks - 1,  # block 0 is the null block
+                "num_referenced_blocks": sum(b.ref_cnt > 0 for b in pool.blocks),
                 "kv_cache_usage": stats.kv_cache_usage, "num_steps": self.num_steps,
                 "num_preemptions": stats.num_preemptions, "num_clients": len(self._clients),
-                "seconds_since_last_step": (time.monotonic() - self.last_step_time
-                                            if busy else 0.0)}
+                "seconds_since_last_step": self._seconds_stalled()}
 
     async def health(self, request: web.Request) -> web.Response:
-        ok = self.engine is not None and self.failure is None
+        ok = self.is_healthy()
         body = {"status": "ok" if ok else "failed", **(self.health_detail() if ok else {})}
         return web.json_response(body, status=200 if ok else 503)
 
@@ -137,12 +162,16 @@ class EngineCoreService:
             if isinstance(message, AbortRequest):
                 self.engine.abort_request(message.req_ids)
                 continue
+            refusal = self.engine.queue_rejection(len(message.prompt_token_ids))
+            if refusal is not None:
+                await _send(link, RequestRejected(message.req_id, refusal, code="queue_full"))
+                continue
             try:
                 sample_ids = self.engine.add_request(
                     message.req_id, message.prompt_token_ids, message.sampling_params,
                     cache_salt=message.cache_salt, lora_id=message.lora_id)
             except InvalidRequestError as e:
-                await link.send(RequestRejected(message.req_id, str(e), e.param))
+                await _send(link, RequestRejected(message.req_id, str(e), e.param))
                 continue
             for sample_id in sample_ids:
                 self._owner[sample_id] = link
@@ -153,7 +182,12 @@ class EngineCoreService:
         step_id = next(self._step_ids)
         await self._worker.send(ExecuteStep(step_id, scheduler_output, traceparent,
                                             request_traceparents))
-        reply = await self._worker_replies.get()
+        try:
+            reply = await asyncio.wait_for(self._worker_replies.get(), self.step_timeout_s)
+        except asyncio.TimeoutError:
+            raise WorkerFailure(f"the worker did not finish step {step_id} within "
+                                f"{self.step_timeout_s:g}s (services.step_timeout_s): it "
+                                f"is hung") from None
         if reply is None:
             raise WorkerFailure("the worker closed its link")
         if not isinstance(reply, StepResult) or reply.step_id != step_id:
@@ -172,8 +206,22 @@ class EngineCoreService:
             if out.finished:
                 del self._owner[out.req_id]
         for link, outs in by_link.items():
-            if not link.closed:
-                await link.send(OutputDelta(outs))
+            await _send(link, OutputDelta(outs))
+
+    def _queue_state(self) -> QueueState:
+        stats = self.engine.get_stats()
+        return QueueState(self._queue_full, stats.num_waiting, stats.num_waiting_tokens)
+
+    async def _publish_queue_state(self) -> None:
+        """Tell every API process when the queue fills or drains (one small frame per
+        flip, not per step)."""
+        full = self.engine.is_queue_full()
+        if full == self._queue_full:
+            return
+        self._queue_full = full
+        state = self._queue_state()
+        for link in list(self._clients):
+            await _send(link, state)
 
     async def run(self) -> None:
         """The step loop; returns only by raising WorkerFailure (or cancellation)."""
@@ -192,6 +240,7 @@ class EngineCoreService:
                 outputs = self.engine.end_step(scheduler_output, runner_output)
                 self.observer.end_step(scheduler_output, outputs, self.engine)
                 await self._route(outputs)
+                await self._publish_queue_state()
                 self.num_steps += 1
                 self.last_step_time = time.monotonic()
                 await asyncio.sleep(0)  # let client handlers queue their messages
@@ -199,10 +248,14 @@ class EngineCoreService:
             self.failure = e
             raise
 
-    async def close(self) -> None:
-        """Close the worker link (the client links close with the site)."""
-        if self._worker is not None:
-            await self._worker.close()
+    async def close(self, timeout: float = 1.0) -> None:
+        """Close the worker link (the client links close with the site). A hung worker
+        never answers the close handshake, so it is not waited for long."""
+        try:
+            if self._worker is not None:
+                await asyncio.wait_for(self._worker.close(), timeout)
+        except asyncio.TimeoutError:
+            log.warning("the worker did not answer the close handshake")
         if self._worker_session is not None:
             await self._worker_session.close()
 
@@ -232,6 +285,17 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
     await runner.cleanup()
     tracing.shutdown()
     return status
+
+
+async def _send(link: PeerLink, message) -> None:
+    """Send to an API process; one that has gone away loses the message, not the loop
+    (its handler then aborts the requests it owned)."""
+    if link.closed:
+        return
+    try:
+        await link.send(message)
+    except (ConnectionError, RuntimeError) as e:
+        log.warning("cannot send to an API process", peer=link.name, error=str(e))
 
 
 def main(argv: list[str] | None = None) -> int:
