@@ -71,7 +71,8 @@ class EngineCoreService:
         self.num_steps = 0
         self.last_step_time = time.monotonic()
         self._clients: set[PeerLink] = set()
-        self._queue_full = False  # what the API processes were last told
+        self._queue_full = False  # what the API processes are being told
+        self._announced_full = False  # what every API process has been told
         self.step_timeout_s = config.services.step_timeout_s
 
     async def connect_worker(self, timeout: float = 300.0) -> WorkerReady:
@@ -105,9 +106,10 @@ class EngineCoreService:
     async def handle_client(self, link: PeerLink) -> None:
         """One API process: announce the model, then queue its adds and aborts."""
         await link.send(self.ready)
-        await link.send(self._queue_state())
+        # Join first, then read the state: a flip published meanwhile reaches it too.
         self._clients.add(link)
         try:
+            await link.send(self._queue_state())
             async for message in link.messages():
                 if isinstance(message, (AddRequest, AbortRequest)):
                     self._inbox.append((link, message))
@@ -141,7 +143,7 @@ class EngineCoreService:
         pool = self.engine.scheduler.kv_cache_manager.block_pool
         return {"num_running": stats.num_running, "num_waiting": stats.num_waiting,
                 "num_waiting_tokens": stats.num_waiting_tokens,
-                "is_queue_full": float(self.engine.is_queue_full()),
+                "is_queue_full": float(self._announced_full),
                 "num_requests": self.engine.scheduler.get_num_unfinished_requests(),
                 "num_routed_requests": len(self._owner),
                 "num_free_blocks": pool.num_free_blocks,
@@ -218,10 +220,11 @@ class EngineCoreService:
         full = self.engine.is_queue_full()
         if full == self._queue_full:
             return
-        self._queue_full = full
+        self._queue_full = full  # before sending: a client that joins now reads it
         state = self._queue_state()
         for link in list(self._clients):
             await _send(link, state)
+        self._announced_full = full  # /health's is_queue_full: every client was told
 
     async def run(self) -> None:
         """The step loop; returns only by raising WorkerFailure (or cancellation)."""
@@ -255,7 +258,7 @@ class EngineCoreService:
             if self._worker is not None:
                 await asyncio.wait_for(self._worker.close(), timeout)
         except asyncio.TimeoutError:
-            log.warning("the worker did not answer the close handshake")
+            log.info("the worker did not answer the close handshake")
         if self._worker_session is not None:
             await self._worker_session.close()
 

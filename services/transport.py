@@ -113,7 +113,9 @@ class _ConnectionLog(logging.LoggerAdapter):
 
     def log(self, level, msg, *args, exc_info=None, **kwargs):
         if isinstance(exc_info, HttpProcessingError):  # a handler's own error is not
-            log.warning("protocol error, refusing request", error=repr(exc_info)[:200])
+            first_line = str(exc_info.message).splitlines()[0] if exc_info.message else ""
+            log.warning("protocol error, refusing request",
+                        error=f"{type(exc_info).__name__}: {first_line[:80]}")
             return
         super().log(level, msg, *args, exc_info=exc_info, **kwargs)
 
