@@ -36,10 +36,11 @@ from services.endpoints import engine_core_endpoint, worker_endpoint
 from services.entrypoint import (StopSignal, first_completed, run_service,
                                  service_arguments)
 from observability.tracing import Tracing
+from services.api_clients import APIClients, send_to_client
 from services.engine_observer import EngineObserver
 from services.protocol import (AbortRequest, AddRequest, ExecuteStep, GetMetrics, Health,
-                               Metrics, OutputDelta, QueueState, RequestRejected,
-                               StepResult, WorkerReady)
+                               Metrics, OutputDelta, RequestRejected, StepResult,
+                               WorkerReady)
 from services.transport import Endpoint, PeerLink, connect, start_site, websocket_route
 
 log = get_logger(__name__)
@@ -70,9 +71,7 @@ class EngineCoreService:
         self.ready: WorkerReady | None = None
         self.num_steps = 0
         self.last_step_time = time.monotonic()
-        self._clients: set[PeerLink] = set()
-        self._queue_full = False  # what the API processes are being told
-        self._announced_full = False  # what every API process has been told
+        self.clients: APIClients | None = None  # made with the engine
         self.step_timeout_s = config.services.step_timeout_s
 
     async def connect_worker(self, timeout: float = 300.0) -> WorkerReady:
@@ -87,6 +86,7 @@ class EngineCoreService:
                                  ready.block_size, ready.max_model_len, executor=None,
                                  eos_token_ids=ready.eos_token_ids,
                                  vocab_size=ready.vocab_size)
+        self.clients = APIClients(self.engine)
         self._reader = asyncio.get_running_loop().create_task(self._read_worker(messages))
         self.ready = ready
         from worker.model_files import served_model_name
@@ -106,10 +106,8 @@ class EngineCoreService:
     async def handle_client(self, link: PeerLink) -> None:
         """One API process: announce the model, then queue its adds and aborts."""
         await link.send(self.ready)
-        # Join first, then read the state: a flip published meanwhile reaches it too.
-        self._clients.add(link)
         try:
-            await link.send(self._queue_state())
+            await self.clients.join(link)
             async for message in link.messages():
                 if isinstance(message, (AddRequest, AbortRequest)):
                     self._inbox.append((link, message))
@@ -119,7 +117,7 @@ class EngineCoreService:
                 elif isinstance(message, GetMetrics):
                     await link.send(Metrics(self.observer.render_metrics()))
         finally:
-            self._clients.discard(link)
+            self.clients.leave(link)
         aborted = [r for r, owner in self._owner.items() if owner is link]
         if aborted:  # the API process went away: nobody will read these
             self._inbox.append((link, AbortRequest(aborted)))
@@ -143,14 +141,14 @@ class EngineCoreService:
         pool = self.engine.scheduler.kv_cache_manager.block_pool
         return {"num_running": stats.num_running, "num_waiting": stats.num_waiting,
                 "num_waiting_tokens": stats.num_waiting_tokens,
-                "is_queue_full": float(self._announced_full),
+                "is_queue_full": float(self.clients.announced_full),
                 "num_requests": self.engine.scheduler.get_num_unfinished_requests(),
                 "num_routed_requests": len(self._owner),
                 "num_free_blocks": pool.num_free_blocks,
                 "num_blocks": self.ready.num_blocks - 1,  # block 0 is the null block
                 "num_referenced_blocks": sum(b.ref_cnt > 0 for b in pool.blocks),
                 "kv_cache_usage": stats.kv_cache_usage, "num_steps": self.num_steps,
-                "num_preemptions": stats.num_preemptions, "num_clients": len(self._clients),
+                "num_preemptions": stats.num_preemptions, "num_clients": len(self.clients.links),
                 "seconds_since_last_step": self._seconds_stalled()}
 
     async def health(self, request: web.Request) -> web.Response:
@@ -166,14 +164,15 @@ class EngineCoreService:
                 continue
             refusal = self.engine.queue_rejection(len(message.prompt_token_ids))
             if refusal is not None:
-                await _send(link, RequestRejected(message.req_id, refusal, code="queue_full"))
+                await send_to_client(link, RequestRejected(message.req_id, refusal,
+                                                           code="queue_full"))
                 continue
             try:
                 sample_ids = self.engine.add_request(
                     message.req_id, message.prompt_token_ids, message.sampling_params,
                     cache_salt=message.cache_salt, lora_id=message.lora_id)
             except InvalidRequestError as e:
-                await _send(link, RequestRejected(message.req_id, str(e), e.param))
+                await send_to_client(link, RequestRejected(message.req_id, str(e), e.param))
                 continue
             for sample_id in sample_ids:
                 self._owner[sample_id] = link
@@ -208,23 +207,8 @@ class EngineCoreService:
             if out.finished:
                 del self._owner[out.req_id]
         for link, outs in by_link.items():
-            await _send(link, OutputDelta(outs))
+            await send_to_client(link, OutputDelta(outs))
 
-    def _queue_state(self) -> QueueState:
-        stats = self.engine.get_stats()
-        return QueueState(self._queue_full, stats.num_waiting, stats.num_waiting_tokens)
-
-    async def _publish_queue_state(self) -> None:
-        """Tell every API process when the queue fills or drains (one small frame per
-        flip, not per step)."""
-        full = self.engine.is_queue_full()
-        if full == self._queue_full:
-            return
-        self._queue_full = full  # before sending: a client that joins now reads it
-        state = self._queue_state()
-        for link in list(self._clients):
-            await _send(link, state)
-        self._announced_full = full  # /health's is_queue_full: every client was told
 
     async def run(self) -> None:
         """The step loop; returns only by raising WorkerFailure (or cancellation)."""
@@ -243,7 +227,7 @@ class EngineCoreService:
                 outputs = self.engine.end_step(scheduler_output, runner_output)
                 self.observer.end_step(scheduler_output, outputs, self.engine)
                 await self._route(outputs)
-                await self._publish_queue_state()
+                await self.clients.publish()
                 self.num_steps += 1
                 self.last_step_time = time.monotonic()
                 await asyncio.sleep(0)  # let client handlers queue their messages
@@ -288,17 +272,6 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
     await runner.cleanup()
     tracing.shutdown()
     return status
-
-
-async def _send(link: PeerLink, message) -> None:
-    """Send to an API process; one that has gone away loses the message, not the loop
-    (its handler then aborts the requests it owned)."""
-    if link.closed:
-        return
-    try:
-        await link.send(message)
-    except (ConnectionError, RuntimeError) as e:
-        log.warning("cannot send to an API process", peer=link.name, error=str(e))
 
 
 def main(argv: list[str] | None = None) -> int:
