@@ -106,7 +106,7 @@ def test_hung_worker_is_caught_by_the_step_watchdog_and_the_stack_fails(start_st
                         break
                 assert time.monotonic() - t0 < 15, "health stayed 200 for a hung worker"
                 await asyncio.sleep(0.2)
-            assert time.monotonic() - t0 >= 2.5  # not before the watchdog's timeout
+            assert time.monotonic() - t0 >= 2.0  # not before the watchdog's timeout
             await assert_engine_lost(s, serve, streams)
 
     t0 = time.monotonic()
