@@ -87,9 +87,20 @@ class SchedulerConfig:
     max_num_batched_tokens: int = _f(2048, "token budget of one step (prefill chunks + decodes)")
     enable_chunked_prefill: bool = _f(True, "split long prompts across steps under the budget")
     policy: str = _f("fcfs", "fcfs (arrival order) or priority (lower priority value first)")
+    max_num_queued_requests: int = _f(1024, "served requests that may wait beyond the "
+                                      "max_num_seqs running ones; past it new ones get 503 "
+                                      "+ Retry-After (the engine core enforces it for all "
+                                      "API processes; the offline LLM is not limited)")
+    max_num_queued_tokens: int | None = _f(None, "while requests wait, cap on the prompt "
+                                           "tokens of all waiting requests (503 past it); "
+                                           "null: no token cap")
 
     def __post_init__(self):
         _check(self.max_num_seqs >= 1, "scheduler.max_num_seqs", "must be at least 1")
+        _check(self.max_num_queued_requests >= 0, "scheduler.max_num_queued_requests",
+               "must be non-negative")
+        _check(self.max_num_queued_tokens is None or self.max_num_queued_tokens >= 1,
+               "scheduler.max_num_queued_tokens", "must be at least 1 (or null)")
         _check(self.max_num_batched_tokens >= 1, "scheduler.max_num_batched_tokens",
                "must be at least 1")
         _check(self.policy in POLICIES, "scheduler.policy",
@@ -195,6 +206,8 @@ class ServicesConfig:
                                     "(containers)")
     startup_timeout_s: float = _f(600.0, "how long a service may take to become healthy "
                                   "(model load, first kernel build)")
+    step_timeout_s: float = _f(120.0, "watchdog: a worker step slower than this is a hung "
+                               "worker (/health 503, the stack stops with exit status 1)")
     drain_timeout_s: float = _f(30.0, "on SIGTERM, how long in-flight requests may take to "
                                 "finish before the stack stops anyway")
 
@@ -206,6 +219,7 @@ class ServicesConfig:
             _check(value is None or _is_host_port(value), f"services.{key}",
                    f"must be host:port, got {value!r}")
         _check(self.startup_timeout_s > 0, "services.startup_timeout_s", "must be positive")
+        _check(self.step_timeout_s > 0, "services.step_timeout_s", "must be positive")
         _check(self.drain_timeout_s >= 0, "services.drain_timeout_s", "must be non-negative")
 
 

@@ -8,6 +8,7 @@ from typing import Protocol
 
 from config.schema import CacheConfig, SchedulerConfig
 from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
+from engine_core.queue_limits import QueueLimits
 from engine_core.request import Request
 from engine_core.sampling_params import InvalidRequestError, SamplingParams
 from engine_core.scheduler import Scheduler
@@ -32,6 +33,7 @@ class EngineCoreStats:
 
     num_running: int
     num_waiting: int
+    num_waiting_tokens: int  # tokens of the requests in the waiting queue
     num_preemptions: int  # since start
     kv_cache_usage: float  # fraction of usable blocks owned by requests
     prefix_cache_queries: int  # tokens looked up, since start
@@ -56,6 +58,7 @@ class EngineCore:
                  vocab_size: int | None = None):
         self.scheduler = Scheduler(scheduler_config, cache_config, num_blocks, block_size,
                                    max_model_len)
+        self.queue_limits = QueueLimits.from_config(scheduler_config)
         self.executor = executor
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
@@ -133,6 +136,18 @@ class EngineCore:
             if self.scheduler.is_known_id(candidate):
                 raise InvalidRequestError(f"request id {candidate!r} is in use", "req_id")
 
+    def queue_rejection(self, num_prompt_tokens: int) -> str | None:
+        """Backpressure for served requests (engine_core/queue_limits.py): why a new
+        request must be refused now, or None. ``add_request`` does not ask."""
+        s = self.scheduler
+        return self.queue_limits.rejection(s.num_running, s.num_waiting,
+                                           s.num_waiting_tokens, num_prompt_tokens)
+
+    def is_queue_full(self) -> bool:
+        """Whether even a one-token request would be refused now."""
+        s = self.scheduler
+        return self.queue_limits.is_full(s.num_running, s.num_waiting, s.num_waiting_tokens)
+
     def abort_request(self, req_ids: str | Iterable[str]) -> None:
         """Abort requests (a parent id aborts all its samples); see the class doc."""
         self.scheduler.finish_requests(req_ids)
@@ -182,6 +197,7 @@ class EngineCore:
         kv = self.scheduler.kv_cache_manager
         return EngineCoreStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            num_waiting_tokens=self.scheduler.num_waiting_tokens,
             num_preemptions=self.scheduler.num_preemptions, kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_stats.num_query_tokens,
             prefix_cache_hits=kv.prefix_cache_stats.num_hit_tokens)

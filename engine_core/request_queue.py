@@ -15,6 +15,11 @@ class RequestQueue:
     turn (preempted ones, forked samples). ``priority``: ordered by
     (priority, arrival_time, arrival_seq), lowest first, whatever the insertion call;
     a preempted request therefore returns to the place its key gives it.
+
+    ``num_tokens`` is the sum of the queued requests' ``num_tokens`` (backpressure reads
+    it). A request's token count cannot change while it waits (tokens are appended only
+    to running requests), so adding it on the way in and subtracting it on the way out
+    keeps the sum exact.
     """
 
     def __init__(self, policy: str = "fcfs"):
@@ -23,6 +28,7 @@ class RequestQueue:
         self.policy = policy
         self._deque: deque[Request] = deque()
         self._heap: list[tuple[tuple[int, float, int], Request]] = []
+        self.num_tokens = 0
 
     @staticmethod
     def _key(request: Request) -> tuple[int, float, int]:
@@ -30,6 +36,7 @@ class RequestQueue:
 
     def add(self, request: Request) -> None:
         """Queue a request in its policy order (fcfs: at the back)."""
+        self.num_tokens += request.num_tokens
         if self.policy == "fcfs":
             self._deque.append(request)
         else:
@@ -37,6 +44,7 @@ class RequestQueue:
 
     def add_front(self, request: Request) -> None:
         """Queue a request that should be served before newcomers."""
+        self.num_tokens += request.num_tokens
         if self.policy == "fcfs":
             self._deque.appendleft(request)
         else:
@@ -51,14 +59,21 @@ class RequestQueue:
     def pop(self) -> Request:
         """Remove and return the request served next."""
         if self.policy == "fcfs":
-            return self._deque.popleft()
-        return heapq.heappop(self._heap)[1]
+            request = self._deque.popleft()
+        else:
+            request = heapq.heappop(self._heap)[1]
+        self.num_tokens -= request.num_tokens
+        return request
 
     def remove(self, request: Request) -> None:
         """Remove one request from anywhere in the queue (O(n), rare: aborts)."""
         if self.policy == "fcfs":
             self._deque.remove(request)
-            return
+        else:
+            self._remove_from_heap(request)
+        self.num_tokens -= request.num_tokens
+
+    def _remove_from_heap(self, request: Request) -> None:
         for i, (_, queued) in enumerate(self._heap):
             if queued is request:
                 self._heap[i] = self._heap[-1]

@@ -295,6 +295,12 @@ class Scheduler:
         """Queued requests plus samples waiting to fork."""
         return len(self.waiting) + self.forks.num_waiters
 
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Tokens of the requests in the waiting queue (prompt, plus outputs of
+        preempted ones)."""
+        return self.waiting.num_tokens
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

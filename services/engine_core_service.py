@@ -9,6 +9,12 @@
 Adds and aborts are queued and applied between steps, never while a step is in
 flight, so the scheduler only ever sees a consistent world. The loop sleeps when no
 request is live and wakes on the next add.
+
+Backpressure: this service is the one authority on the queue limits (every API
+process's adds pass through it); it refuses adds past them with RequestRejected
+"queue_full" and tells every API process when the queue fills or drains (QueueState).
+Watchdog: a step the worker does not answer within ``services.step_timeout_s`` is a
+hung worker; the loop fails, /health answers 503 and the process exits 1.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from services.endpoints import engine_core_endpoint, worker_endpoint
 from services.entrypoint import (StopSignal, first_completed, run_service,
                                  service_arguments)
 from observability.tracing import Tracing
+from services.api_clients import APIClients, send_to_client
 from services.engine_observer import EngineObserver
 from services.protocol import (AbortRequest, AddRequest, ExecuteStep, GetMetrics, Health,
                                Metrics, OutputDelta, RequestRejected, StepResult,
@@ -64,7 +71,8 @@ class EngineCoreService:
         self.ready: WorkerReady | None = None
         self.num_steps = 0
         self.last_step_time = time.monotonic()
-        self._clients: set[PeerLink] = set()
+        self.clients: APIClients | None = None  # made with the engine
+        self.step_timeout_s = config.services.step_timeout_s
 
     async def connect_worker(self, timeout: float = 300.0) -> WorkerReady:
         """Open the worker link and build the EngineCore from its WorkerReady."""
@@ -78,6 +86,7 @@ class EngineCoreService:
                                  ready.block_size, ready.max_model_len, executor=None,
                                  eos_token_ids=ready.eos_token_ids,
                                  vocab_size=ready.vocab_size)
+        self.clients = APIClients(self.engine)
         self._reader = asyncio.get_running_loop().create_task(self._read_worker(messages))
         self.ready = ready
         from worker.model_files import served_model_name
@@ -97,37 +106,53 @@ class EngineCoreService:
     async def handle_client(self, link: PeerLink) -> None:
         """One API process: announce the model, then queue its adds and aborts."""
         await link.send(self.ready)
-        self._clients.add(link)
         try:
+            await self.clients.join(link)
             async for message in link.messages():
                 if isinstance(message, (AddRequest, AbortRequest)):
                     self._inbox.append((link, message))
                     self._wake.set()
                 elif isinstance(message, Health):
-                    await link.send(Health(self.failure is None, self.health_detail()))
+                    await link.send(Health(self.is_healthy(), self.health_detail()))
                 elif isinstance(message, GetMetrics):
                     await link.send(Metrics(self.observer.render_metrics()))
         finally:
-            self._clients.discard(link)
+            self.clients.leave(link)
         aborted = [r for r, owner in self._owner.items() if owner is link]
         if aborted:  # the API process went away: nobody will read these
             self._inbox.append((link, AbortRequest(aborted)))
             self._wake.set()
 
-    def health_detail(self) -> dict[str, float]:
-        """Gauges a probe (or a test) needs to see that the engine is alive and clean."""
-        stats = self.engine.get_stats()
+    def _seconds_stalled(self) -> float:
+        """How long the loop has made no step while there is work (0 when idle)."""
         busy = self.engine.has_unfinished_requests() or bool(self._inbox)
+        return time.monotonic() - self.last_step_time if busy else 0.0
+
+    def is_healthy(self) -> bool:
+        """Alive and making progress: a live process whose steps stalled is not healthy."""
+        return (self.engine is not None and self.failure is None
+                and self._seconds_stalled() <= self.step_timeout_s)
+
+    def health_detail(self) -> dict[str, float]:
+        """Gauges a probe (or a test) needs to see that the engine is alive and clean:
+        after the last request ends, ``num_requests``, ``num_routed_requests`` and
+        ``num_referenced_blocks`` (blocks with a reference count above 0) are all 0."""
+        stats = self.engine.get_stats()
+        pool = self.engine.scheduler.kv_cache_manager.block_pool
         return {"num_running": stats.num_running, "num_waiting": stats.num_waiting,
-                "num_free_blocks": self.engine.scheduler.kv_cache_manager.num_free_blocks,
+                "num_waiting_tokens": stats.num_waiting_tokens,
+                "is_queue_full": float(self.clients.announced_full),
+                "num_requests": self.engine.scheduler.get_num_unfinished_requests(),
+                "num_routed_requests": len(self._owner),
+                "num_free_blocks": pool.num_free_blocks,
                 "num_blocks": self.ready.num_blocks - 1,  # block 0 is the null block
+                "num_referenced_blocks": sum(b.ref_cnt > 0 for b in pool.blocks),
                 "kv_cache_usage": stats.kv_cache_usage, "num_steps": self.num_steps,
-                "num_preemptions": stats.num_preemptions, "num_clients": len(self._clients),
-                "seconds_since_last_step": (time.monotonic() - self.last_step_time
-                                            if busy else 0.0)}
+                "num_preemptions": stats.num_preemptions, "num_clients": len(self.clients.links),
+                "seconds_since_last_step": self._seconds_stalled()}
 
     async def health(self, request: web.Request) -> web.Response:
-        ok = self.engine is not None and self.failure is None
+        ok = self.is_healthy()
         body = {"status": "ok" if ok else "failed", **(self.health_detail() if ok else {})}
         return web.json_response(body, status=200 if ok else 503)
 
@@ -137,12 +162,17 @@ class EngineCoreService:
             if isinstance(message, AbortRequest):
                 self.engine.abort_request(message.req_ids)
                 continue
+            refusal = self.engine.queue_rejection(len(message.prompt_token_ids))
+            if refusal is not None:
+                await send_to_client(link, RequestRejected(message.req_id, refusal,
+                                                           code="queue_full"))
+                continue
             try:
                 sample_ids = self.engine.add_request(
                     message.req_id, message.prompt_token_ids, message.sampling_params,
                     cache_salt=message.cache_salt, lora_id=message.lora_id)
             except InvalidRequestError as e:
-                await link.send(RequestRejected(message.req_id, str(e), e.param))
+                await send_to_client(link, RequestRejected(message.req_id, str(e), e.param))
                 continue
             for sample_id in sample_ids:
                 self._owner[sample_id] = link
@@ -153,7 +183,12 @@ class EngineCoreService:
         step_id = next(self._step_ids)
         await self._worker.send(ExecuteStep(step_id, scheduler_output, traceparent,
                                             request_traceparents))
-        reply = await self._worker_replies.get()
+        try:
+            reply = await asyncio.wait_for(self._worker_replies.get(), self.step_timeout_s)
+        except asyncio.TimeoutError:
+            raise WorkerFailure(f"the worker did not finish step {step_id} within "
+                                f"{self.step_timeout_s:g}s (services.step_timeout_s): it "
+                                f"is hung") from None
         if reply is None:
             raise WorkerFailure("the worker closed its link")
         if not isinstance(reply, StepResult) or reply.step_id != step_id:
@@ -172,8 +207,8 @@ class EngineCoreService:
             if out.finished:
                 del self._owner[out.req_id]
         for link, outs in by_link.items():
-            if not link.closed:
-                await link.send(OutputDelta(outs))
+            await send_to_client(link, OutputDelta(outs))
+
 
     async def run(self) -> None:
         """The step loop; returns only by raising WorkerFailure (or cancellation)."""
@@ -192,6 +227,7 @@ class EngineCoreService:
                 outputs = self.engine.end_step(scheduler_output, runner_output)
                 self.observer.end_step(scheduler_output, outputs, self.engine)
                 await self._route(outputs)
+                await self.clients.publish()
                 self.num_steps += 1
                 self.last_step_time = time.monotonic()
                 await asyncio.sleep(0)  # let client handlers queue their messages
@@ -199,10 +235,14 @@ class EngineCoreService:
             self.failure = e
             raise
 
-    async def close(self) -> None:
-        """Close the worker link (the client links close with the site)."""
-        if self._worker is not None:
-            await self._worker.close()
+    async def close(self, timeout: float = 1.0) -> None:
+        """Close the worker link (the client links close with the site). A hung worker
+        never answers the close handshake, so it is not waited for long."""
+        try:
+            if self._worker is not None:
+                await asyncio.wait_for(self._worker.close(), timeout)
+        except asyncio.TimeoutError:
+            log.info("the worker did not answer the close handshake")
         if self._worker_session is not None:
             await self._worker_session.close()
 

@@ -118,6 +118,8 @@ def run_service(name: str, serve: Serve, parser: argparse.ArgumentParser,
     try:
         return uvloop.run(main())
     except (ServiceStartError, ConfigError, ConnectionError, OSError, ValueError) as e:
-        log.error("start-up failed", error=str(e))
+        # One actionable line for a person; JSON logs also get it as a record.
+        if config.observability.log_format == "json":
+            log.error("start-up failed", error=str(e))
         print(f"folio {name}: {e}", file=sys.stderr)
         return 1

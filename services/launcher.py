@@ -135,6 +135,7 @@ class Launcher:
         live = [c for c in children if c.process.returncode is None]
         for c in live:
             c.process.send_signal(signal.SIGTERM)
+            c.process.send_signal(signal.SIGCONT)  # a stopped child must run to obey it
         try:
             await asyncio.wait_for(asyncio.gather(*(c.process.wait() for c in live)), grace)
         except asyncio.TimeoutError:

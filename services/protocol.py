@@ -23,7 +23,7 @@ from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler_output import SchedulerOutput
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 class ProtocolError(ValueError):
@@ -83,11 +83,23 @@ class StepResult:
 
 @dataclass(slots=True)
 class RequestRejected:
-    """Engine core → API: a request failed validation (``param`` names the field)."""
+    """Engine core → API: a request failed validation (``param`` names the field), or
+    ``code`` "queue_full": the engine is at its queue limits (the client gets 503)."""
 
     req_id: str
     message: str
     param: str | None = None
+    code: str | None = None
+
+
+@dataclass(slots=True)
+class QueueState:
+    """Engine core → every API process, whenever ``is_full`` flips (and on connect):
+    while it is true API processes refuse new requests before tokenizing them."""
+
+    is_full: bool
+    num_waiting: int = 0
+    num_waiting_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -130,8 +142,8 @@ class Shutdown:
 
 
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
-    AddRequest, AbortRequest, OutputDelta, RequestRejected, ExecuteStep, StepResult,
-    WorkerReady, Health, GetMetrics, Metrics, Shutdown)}
+    AddRequest, AbortRequest, OutputDelta, RequestRejected, QueueState, ExecuteStep,
+    StepResult, WorkerReady, Health, GetMetrics, Metrics, Shutdown)}
 
 
 def _to_plain(value: Any) -> Any:

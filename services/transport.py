@@ -2,12 +2,15 @@
 
 One persistent WebSocket per peer carries binary msgpack frames (services/protocol.py);
 a round trip over a unix socket costs ~33 us against ~250 us for an HTTP POST, so every
-per-step message rides it. A peer that sends a frame that does not decode is logged
-and disconnected; the service itself keeps running.
+per-step message rides it. A peer that sends a frame that does not decode (garbage,
+a pickle, a frame over MAX_FRAME_BYTES, a text frame) is logged as a protocol error
+and disconnected, and so is a connection that does not even speak HTTP; the service
+itself keeps running. Nothing here or in services/protocol.py ever unpickles.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 from collections.abc import Awaitable, Callable
@@ -17,6 +20,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from observability.logging import get_logger
 from services.protocol import ProtocolError, decode, encode
@@ -24,7 +28,10 @@ from services.protocol import ProtocolError, decode, encode
 log = get_logger(__name__)
 
 WS_PATH = "/ws"
-MAX_FRAME_BYTES = 64 * 1024 * 1024  # a step for thousands of requests fits easily
+# Largest frame a peer may send; aiohttp refuses a bigger one from its header, before
+# buffering the payload. The biggest real frame, an ExecuteStep admitting max_num_seqs
+# new prompts of max_model_len tokens (128 x 2048 ids: ~2.6 MB), fits many times over.
+MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(slots=True, frozen=True)
@@ -83,8 +90,9 @@ class PeerLink:
                 await self.ws.close(code=aiohttp.WSCloseCode.UNSUPPORTED_DATA,
                                     message=b"binary frames only")
                 return
-            elif msg.type == aiohttp.WSMsgType.ERROR:
-                log.warning("websocket error", peer=self.name, error=str(self.ws.exception()))
+            elif msg.type == aiohttp.WSMsgType.ERROR:  # e.g. a frame over MAX_FRAME_BYTES
+                log.warning("protocol error, disconnecting peer", peer=self.name,
+                            error=str(self.ws.exception()))
                 return
 
     @property
@@ -96,6 +104,23 @@ class PeerLink:
 
 
 PeerHandler = Callable[[PeerLink], Awaitable[None]]
+
+
+class _ConnectionLog(logging.LoggerAdapter):
+    """aiohttp's per-connection logger. A request aiohttp cannot parse (random bytes,
+    not HTTP) becomes one "protocol error" warning instead of a traceback (or, for a
+    bad first line, nothing at all: aiohttp logs that at debug level)."""
+
+    def log(self, level, msg, *args, exc_info=None, **kwargs):
+        if isinstance(exc_info, HttpProcessingError):  # a handler's own error is not
+            first_line = str(exc_info.message).splitlines()[0] if exc_info.message else ""
+            log.warning("protocol error, refusing request",
+                        error=f"{type(exc_info).__name__}: {first_line[:80]}")
+            return
+        super().log(level, msg, *args, exc_info=exc_info, **kwargs)
+
+
+_CONNECTION_LOG = _ConnectionLog(logging.getLogger("aiohttp.server"), {})
 
 
 def websocket_route(handler: PeerHandler, name: str) -> Callable:
@@ -132,7 +157,7 @@ async def serve_app(app: web.Application, endpoints: list[Endpoint],
     ``handler_cancellation`` cancels a handler when its client disconnects (the API
     uses it so a request that waits in the queue is aborted at once)."""
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout,
-                           handler_cancellation=handler_cancellation)
+                           handler_cancellation=handler_cancellation, logger=_CONNECTION_LOG)
     await runner.setup()
     try:
         for endpoint in endpoints:

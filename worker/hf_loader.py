@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from worker.model_files import ModelFileError, UnsupportedModelError
@@ -135,12 +136,21 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(file)
+    except SafetensorError as e:  # truncated, garbage, a bad header
+        raise ModelFileError(f"{file}: not a readable safetensors file ({e}); the "
+                             f"checkpoint is corrupt or incomplete: copy or export it "
+                             f"again") from None
+
+
 def load_hf_state_dict(folder: Path, architecture: ModelArchitecture,
                        dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """All weights of the folder, cast to ``dtype``; lm_head dropped when embeddings are tied."""
     state_dict: dict[str, torch.Tensor] = {}
     for file in safetensors_files(folder):
-        for name, tensor in load_file(file).items():
+        for name, tensor in _read_safetensors(file).items():
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             state_dict[name] = tensor.to(dtype)

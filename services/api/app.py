@@ -2,7 +2,9 @@
 
 Each request is validated and tokenized here, sent to the engine core, and its deltas
 are detokenized incrementally (stop strings trimmed across deltas) into JSON or SSE.
-A client that disconnects aborts its request so its KV blocks are freed.
+A client that disconnects aborts its request so its KV blocks are freed. While the
+engine core reports its queue full, new generation requests get 503 with Retry-After
+before their body is even read.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from observability.logging import get_logger
 from services.api.auth import CACHE_SALT, APIKeys, auth_middleware
 from services.api.chat_template import ChatTemplateError
 from services.api.detokenizer import IncrementalDetokenizer
-from services.api.engine_client import EngineClient, EngineDead
+from services.api.engine_client import EngineClient, EngineDead, QueueFull
 from services.api.openai_protocol import APIError, bad, unavailable
 from services.api.openapi import openapi_document
 from services.api.request_body import parse_json_object, read_body
@@ -36,6 +38,7 @@ from services.api.tokenizer import Tokenizer
 from services.protocol import RequestRejected
 
 VERSION = "0.1.0"
+RETRY_AFTER_S = 1  # what a 503 for a full queue tells the client to wait
 log = get_logger("services.api")
 
 
@@ -108,6 +111,10 @@ class APIServer:
                 return await handler(request)
             if self.draining:
                 raise unavailable("the server is shutting down", "shutting_down")
+            if self.engine.queue_state.is_full:  # refused before reading or tokenizing
+                raise QueueFull(f"the server is at capacity "
+                                f"({self.engine.queue_state.num_waiting} requests queued); "
+                                f"retry later")
             self.num_in_flight += 1
             self._idle.clear()
             try:
@@ -126,6 +133,9 @@ class APIServer:
             return web.json_response(err.body(), status=e.status)
         except EngineDead as e:
             return web.json_response(unavailable(str(e)).body(), status=503)
+        except QueueFull as e:
+            return web.json_response(unavailable(str(e), "queue_full").body(), status=503,
+                                     headers={"Retry-After": str(RETRY_AFTER_S)})
         except (asyncio.CancelledError, ConnectionError):
             raise
         except Exception as e:  # a bug: no traceback, path or input goes to the client
@@ -216,6 +226,8 @@ class APIServer:
                 if item is None:
                     raise EngineDead("the engine core went away")
                 if isinstance(item, RequestRejected):
+                    if item.code == "queue_full":
+                        raise QueueFull(item.message)
                     raise bad(item.message, item.param)
                 trace.on_tokens(len(item.new_token_ids))
                 t0 = time.perf_counter()
@@ -323,7 +335,8 @@ class APIServer:
             raise unavailable("the engine core is unavailable")
         if not reply.ok:
             raise unavailable("the engine core has failed")
-        return web.json_response({"status": "ok", "engine": reply.detail})
+        return web.json_response({"status": "ok", "engine": reply.detail,
+                                  "api": {"num_in_flight": self.num_in_flight}})
 
     async def metrics(self, request) -> web.Response:
         """Prometheus text: the engine core's metrics, the same from every API process."""

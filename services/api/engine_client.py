@@ -7,12 +7,17 @@ from collections import deque
 
 from engine_core.sampling_params import SamplingParams
 from services.protocol import (AbortRequest, AddRequest, GetMetrics, Health, Metrics,
-                               OutputDelta, ProtocolError, RequestRejected, WorkerReady)
+                               OutputDelta, ProtocolError, QueueState, RequestRejected,
+                               WorkerReady)
 from services.transport import Endpoint, PeerLink, connect
 
 
 class EngineDead(RuntimeError):
     """The engine core's link closed: every in-flight request ends with an error."""
+
+
+class QueueFull(RuntimeError):
+    """The engine core is at its queue limits: the client gets 503 and Retry-After."""
 
 
 class EngineClient:
@@ -35,6 +40,9 @@ class EngineClient:
         self.model_info: WorkerReady | None = None
         self.alive = False
         self.dead = asyncio.Event()  # set once the link is gone for good
+        # The engine core's last QueueState: while full, requests are refused before
+        # they are tokenized. Only a hint: the engine core re-checks every add.
+        self.queue_state = QueueState(is_full=False)
 
     async def start(self, timeout: float = 300.0) -> WorkerReady:
         """Connect (retrying until ``timeout``) and read the engine's model limits."""
@@ -56,6 +64,8 @@ class EngineClient:
                     queue = self._queues.get(out.parent_req_id or out.req_id)
                     if queue is not None:
                         queue.put_nowait(out)
+            elif isinstance(message, QueueState):
+                self.queue_state = message
             elif isinstance(message, RequestRejected):
                 queue = self._queues.get(message.req_id)
                 if queue is not None:

@@ -99,6 +99,8 @@ class Harness:
         for block in self.kv.block_pool.blocks[1:]:
             assert block.ref_cnt == refs.get(block.block_id, 0), block
         assert set(self.kv.req_to_blocks) <= set(self.sched.requests)
+        # the queue's running token sum (backpressure reads it) stays exact
+        assert self.sched.waiting.num_tokens == sum(r.num_tokens for r in self.sched.waiting)
         for req in self.sched.requests.values():
             assert 0 <= req.num_computed_tokens <= req.num_tokens <= self.cfg["max_model_len"]
             state = self.engine.executor.states.get(req.req_id)

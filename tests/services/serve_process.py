@@ -33,6 +33,16 @@ def write_config(path: Path, model_path: str, tokenizer_path: str | None = None,
     return path
 
 
+def processes_using(config_path: Path) -> list[int]:
+    """Live processes whose command line names ``config_path`` (a stack's services)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and str(config_path) in command_line(int(entry.name)):
+            if is_running(int(entry.name)):
+                found.append(int(entry.name))
+    return found
+
+
 class ServeProcess:
     """`python -m folio.cli serve` with its output in files under ``log_dir``."""
 
