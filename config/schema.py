@@ -139,9 +139,9 @@ class WorkerConfig:
     enforce_eager: bool = _f(False, "CUDA: run every step eagerly; false captures decode "
                              "steps as CUDA graphs over a ladder of batch sizes (1, 2, 4, 8, "
                              "16, 32, ... up to scheduler.max_num_seqs, at most 512)")
-    pack_weights: bool = _f(True, "CPU float32: pack linear weights into MKL's GEMM layout "
-                            "once at load (1.5-2x faster matmuls at 32+ rows, about "
-                            "2x the weights' memory)")
+    k_major_weights: bool = _f(True, "CPU: store linear weights K-major ([in, out] "
+                               "contiguous), 1.5-5x faster matmuls at 4-32 rows; a tied LM "
+                               "head gets its own copy (vocab x hidden more memory)")
 
     def __post_init__(self):
         _check(self.device in DEVICES, "worker.device",

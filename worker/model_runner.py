@@ -16,7 +16,6 @@ from worker.device import resolve_device, resolve_dtype
 from worker.input_batch import InputBatch, build_input_batch
 from worker.kv_cache import KVCacheSpec, allocate_kv_cache, copy_blocks
 from worker.loader import load_model
-from worker.models.linear import pack_linear_layers
 from worker.models.registry import build_model
 from worker.request_state import CachedRequestState, make_generator
 from worker.sampler import Sampler
@@ -62,11 +61,11 @@ class ModelRunner:
         self.model = build_model(self.arch, self.max_model_len + 1)
         self.model.load_weights(loaded.state_dict)
         self.model.to(device=self.device, dtype=self.dtype).eval()
-        self.num_packed_layers = (pack_linear_layers(self.model)
-                                  if worker_config.pack_weights else 0)
+        if self.device.type == "cpu" and worker_config.k_major_weights:
+            self.model.prepare_for_cpu()
         self.load_seconds = time.perf_counter() - t0
         log.info("model loaded", path=str(loaded.source_path), dtype=str(self.dtype),
-                 packed_linear_layers=self.num_packed_layers,
+                 k_major_weights=self.device.type == "cpu" and worker_config.k_major_weights,
                  architecture=self.arch.architecture, seconds=round(self.load_seconds, 2))
         self.block_size = memory_config.block_size
         self.kv_caches: list[torch.Tensor] = []

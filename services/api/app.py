@@ -90,8 +90,9 @@ class APIServer:
 
     def app(self) -> web.Application:
         public = {"/health", "/metrics"} if self.api.public_metrics else {"/health"}
-        app = web.Application(middlewares=[self._errors,
-                                           auth_middleware(self.api_keys, public)],
+        # auth first: a caller without a key learns nothing, not even that we are busy
+        app = web.Application(middlewares=[auth_middleware(self.api_keys, public),
+                                           self._errors],
                               client_max_size=self.api.max_body_bytes)
         app.router.add_get("/openapi.json", self.openapi)
         app.router.add_post("/v1/completions", self.completions)

@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 
 from worker.device import cpu_has_native_half
-from worker.models.linear import (PACK_ROWS, WIDEN_MIN_ROWS, Linear, can_pack, linear,
-                                  needs_widening)
+from worker.models.linear import (WIDEN_MIN_ROWS, Linear, is_k_major, linear, needs_widening,
+                                  use_k_major_weights)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -37,22 +37,20 @@ def test_linear_module_keeps_nn_linear_parameter_names():
     assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
 
 
-@pytest.mark.skipif(not can_pack(torch.zeros(1)), reason="needs torch with MKL")
-@pytest.mark.parametrize("rows", [1, 7, PACK_ROWS, 200, 700])
-def test_packed_linear_equals_f_linear_for_any_row_count(rows):
-    g = torch.Generator().manual_seed(rows)
-    layer = Linear(96, 80, bias=True)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(80, 96, generator=g))
-        layer.bias.copy_(torch.randn(80, generator=g))
-    assert layer.pack()
-    x = torch.randn(rows, 96, generator=g)
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias),
-                               rtol=1e-5, atol=1e-4)
-    layer.packed_weight = None  # the unpacked path agrees as well
-    torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias))
 
-
-def test_pack_refuses_weights_it_cannot_pack():
-    layer = Linear(8, 8).to(torch.bfloat16)
-    assert not layer.pack() and layer.packed_weight is None
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_k_major_weights_keep_values_shapes_and_results(dtype):
+    g = torch.Generator().manual_seed(3)
+    model = torch.nn.Sequential(Linear(96, 80), Linear(80, 40, bias=False)).to(dtype)
+    x = torch.randn(70, 96, generator=g).to(dtype)
+    before = model(x)
+    weights = [m.weight.detach().clone() for m in model]
+    assert use_k_major_weights(model) == 2
+    for m, w in zip(model, weights):
+        assert is_k_major(m.weight) and not m.weight.is_contiguous()
+        assert m.weight.shape == w.shape and torch.equal(m.weight, w)
+        assert isinstance(m.weight, torch.nn.Parameter)
+    torch.testing.assert_close(model(x), before)
+    with torch.no_grad():  # loading into a re-laid weight keeps its layout
+        model[0].weight.copy_(weights[0] * 2)
+    assert is_k_major(model[0].weight)

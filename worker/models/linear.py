@@ -1,19 +1,20 @@
-"""Linear layers that stay fast with half-precision weights on CPUs without half arithmetic.
+"""Linear layers laid out and dispatched for fast CPU matmuls.
 
-A CPU without AVX512-BF16/AMX (or AVX512-FP16 for float16) has no instruction that
-multiplies 16-bit floats: its bf16 GEMM widens every operand tile to float32 inside the
-kernel, and measured on such a CPU (2 cores, AVX-512) that runs at 36-42 GFLOP/s against
-90-200 GFLOP/s for float32 at 64 or more rows. Widening the whole weight to float32 once
-per call and running the float32 GEMM computes the same thing (products and sums in
-float32, one rounding of the output to the weight's dtype) and wins once the matmul has
-enough rows to amortise the widening; with few rows the call is bound by reading the
-weight, and the native 16-bit path, which reads half the bytes, stays faster.
+Two measured effects on a 2-core AVX-512 CPU (SmolLM2's projection shapes):
 
-Float32 weights on a CPU with MKL are also packed once into MKL's GEMM layout
-(``cblas_sgemm_pack``): the packed GEMM skips re-tiling the weight on every call, which
-measured 1.5-2x faster than ``F.linear`` from 32 to 512 rows on this machine. The packed
-copy is an extra buffer next to the weight (the weight itself stays for loading and
-for the LM head's tied embedding).
+* Weight layout. ``F.linear`` with the usual ``[out, in]`` row-major weight runs the
+  GEMM with a transposed B operand, which at 4-32 rows (the decode batches of a small
+  server) measured 1.5-5x slower than the same product on a weight stored K-major
+  (``[in, out]`` contiguous, seen as ``[out, in]`` through ``.t()``); from 64 rows on
+  the two are equal. :func:`use_k_major_weights` re-lays every weight once at load;
+  the parameters keep their shapes and names, only their strides change.
+* Half precision without half arithmetic. A CPU without AVX512-BF16/AMX (AVX512-FP16
+  for float16) has no 16-bit multiply: its bf16 GEMM widens operand tiles to float32
+  inside the kernel and measured 36-42 GFLOP/s, against 90-200 for float32 from 64
+  rows on. Widening the whole weight once per call and running the float32 GEMM computes
+  the same thing (float32 products and sums, one rounding of the output) and wins once
+  there are enough rows to amortise the widening; with fewer rows the call is bound by
+  reading the weight, and the native path, which reads half the bytes, stays faster.
 """
 from __future__ import annotations
 
@@ -43,40 +44,29 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     return out.to(x.dtype)
 
 
-# The row count MKL is told to pack for; any row count gives the same result (checked
-# in the tests), this one only tunes the layout.
-PACK_ROWS = 64
-
-
-def can_pack(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` can use MKL's packed GEMM (float32 on a CPU with MKL)."""
-    return (weight.dtype == torch.float32 and weight.device.type == "cpu"
-            and torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"))
-
-
 class Linear(nn.Linear):
-    """``nn.Linear`` computing through :func:`linear` (same parameters and names), or
-    through an MKL-packed copy of its weight once :meth:`pack` has run."""
-
-    packed_weight: torch.Tensor | None = None
-
-    @torch.no_grad()
-    def pack(self) -> bool:
-        """Pack the current weight for MKL (call again after changing the weight)."""
-        self.packed_weight = None
-        if not can_pack(self.weight):
-            return False
-        self.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(
-            self.weight.detach(), PACK_ROWS)
-        return True
+    """``nn.Linear`` computing through :func:`linear` (same parameters and names)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None and x.dtype == torch.float32 and x.dim() == 2:
-            return torch.ops.mkl._mkl_linear(x, self.packed_weight, self.weight, self.bias,
-                                             PACK_ROWS)
         return linear(x, self.weight, self.bias)
 
 
-def pack_linear_layers(model: nn.Module) -> int:
-    """Pack every :class:`Linear` of ``model`` that can be packed; returns how many."""
-    return sum(m.pack() for m in model.modules() if isinstance(m, Linear))
+def k_major(weight: torch.Tensor) -> torch.Tensor:
+    """The same ``[out, in]`` values stored ``[in, out]``-contiguous."""
+    return weight.detach().t().contiguous().t()
+
+
+def is_k_major(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.t().is_contiguous()
+
+
+@torch.no_grad()
+def use_k_major_weights(model: nn.Module) -> int:
+    """Re-lay every :class:`Linear` weight of ``model`` K-major; returns how many.
+
+    Call after the weights are loaded and moved; a later ``copy_`` into a weight keeps
+    its layout. Only worth doing on the CPU (see the module docstring)."""
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    for layer in layers:
+        layer.weight.data = k_major(layer.weight)
+    return len(layers)

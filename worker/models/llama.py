@@ -18,7 +18,7 @@ from kernels.reshape_and_cache import reshape_and_cache
 from kernels.rms_norm import rms_norm
 from kernels.rotary_embedding import rotary_embedding
 from worker.models.architecture import ModelArchitecture
-from worker.models.linear import Linear, linear
+from worker.models.linear import Linear, k_major, linear, use_k_major_weights
 from worker.models.rotary_embedding import RotaryAngles, RotaryEmbedding
 
 
@@ -119,6 +119,9 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else Linear(
             arch.hidden_size, arch.vocab_size, bias=False)
+        # A tied head reads the embedding matrix, whose rows the lookup needs row-major;
+        # prepare_for_cpu() may give the head its own K-major copy instead.
+        self.head_weight: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
@@ -133,8 +136,17 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[n, vocab]`` for the selected hidden states."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        weight = self.head_weight
+        if weight is None:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear(hidden, weight).float()
+
+    def prepare_for_cpu(self) -> None:
+        """Lay the linear weights out K-major for the CPU GEMM (worker/models/linear.py);
+        a tied head gets a K-major copy of the embedding (one more vocab x hidden)."""
+        use_k_major_weights(self)
+        if self.lm_head is None:
+            self.head_weight = k_major(self.embed_tokens.weight)
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
