@@ -5,7 +5,8 @@ take on B rows (q/k/v, o, gate/up and down in every layer, plus the LM head): ev
 decode step must run those matmuls, so ``B / linear_seconds`` is the most tokens per
 second a step could produce. Two linear paths are timed and the faster one counts:
 plain ``F.linear`` in the model's dtype, and Folio's ``worker.models.linear`` (which
-widens 16-bit weights to float32 on CPUs without 16-bit arithmetic).
+widens 16-bit weights to float32 on CPUs without 16-bit arithmetic), both on the
+weights as the model holds them (K-major on the CPU, see worker/models/linear.py).
 
 The decode side runs the real engine: B requests with ``--context`` prompt tokens are
 prefilled, then only steps where all B requests decode one token are timed (the whole
@@ -35,7 +36,9 @@ def linear_layers(model):
         for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                     layer.mlp.gate_up_proj, layer.mlp.down_proj):
             out.append((mod.weight, mod.bias))
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    head = model.head_weight  # the LM head as compute_logits reads it
+    if head is None:
+        head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     out.append((head, None))
     return out
 
