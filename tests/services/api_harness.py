@@ -15,7 +15,7 @@ from engine_core.outputs import EngineCoreOutput, FinishReason
 from services.api.app import APIServer
 from services.api.auth import APIKeys
 from services.api.http_server import serve_api
-from services.protocol import Health, WorkerReady
+from services.protocol import Health, QueueState, WorkerReady
 from services.transport import Endpoint
 
 
@@ -29,6 +29,7 @@ class FakeEngine:
     added: list = field(default_factory=list)
     alive: bool = True
     fail_with: Exception | None = None  # raised by add(): a bug behind the API
+    queue_state: QueueState = field(default_factory=lambda: QueueState(is_full=False))
 
     def __post_init__(self):
         self.dead = asyncio.Event()
