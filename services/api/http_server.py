@@ -59,7 +59,7 @@ class JSONErrorRequestHandler(RequestHandler):
 
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
-        log.warning("http request refused", status=status,
+        log.warning("protocol error, http request refused", status=status,
                     error=type(exc).__name__ if exc is not None else None)
         if request.writer.output_size > 0:  # a response has begun: only closing is left
             raise ConnectionError("response already started")
