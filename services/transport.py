@@ -158,6 +158,13 @@ async def serve_app(app: web.Application, endpoints: list[Endpoint],
     uses it so a request that waits in the queue is aborted at once)."""
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=shutdown_timeout,
                            handler_cancellation=handler_cancellation, logger=_CONNECTION_LOG)
+    return await start_sites(runner, endpoints, sockets, reuse_port)
+
+
+async def start_sites(runner: web.AppRunner, endpoints: list[Endpoint],
+                      sockets: list[socket.socket] = (),
+                      reuse_port: bool = False) -> web.AppRunner:
+    """Set ``runner`` up and listen on every endpoint and socket; cleans up on failure."""
     await runner.setup()
     try:
         for endpoint in endpoints:

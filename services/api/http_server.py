@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import socket
 from http import HTTPStatus
-from pathlib import Path
 
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
@@ -22,7 +21,7 @@ from aiohttp.web_protocol import RequestHandler
 from config.schema import APIConfig
 from observability.logging import get_logger
 from services.api.openai_protocol import APIError
-from services.transport import Endpoint, _start_unix_site
+from services.transport import Endpoint, start_sites
 
 log = get_logger(__name__)
 
@@ -93,18 +92,4 @@ async def serve_api(app: web.Application, api: APIConfig, endpoints: list[Endpoi
     """
     runner = APIRunner(app, access_log=None, shutdown_timeout=shutdown_timeout,
                        handler_cancellation=True, **handler_args(api))
-    await runner.setup()
-    try:
-        for endpoint in endpoints:
-            if endpoint.unix_path is not None:
-                await _start_unix_site(runner, Path(endpoint.unix_path))
-            else:
-                await web.TCPSite(runner, endpoint.host, endpoint.port,
-                                  reuse_port=reuse_port or None).start()
-        for sock in sockets:
-            await web.SockSite(runner, sock).start()
-    except BaseException:
-        await runner.cleanup()
-        raise
-    return runner
-
+    return await start_sites(runner, endpoints, sockets, reuse_port)
