@@ -15,6 +15,10 @@ _ERRORS = {"400": "invalid request", "401": "missing or wrong API key",
            "431": "headers too large", "503": "engine unavailable or draining"}
 
 
+# The server treats a null ``model`` as an absent one (the served model).
+_MODEL = {"anyOf": [{"type": "string"}, {"type": "null"}]}
+
+
 def _ref(name: str) -> dict:
     return {"$ref": f"#/components/schemas/{name}"}
 
@@ -36,7 +40,7 @@ def _sampling(lim: ValidationLimits) -> dict[str, Any]:
     int64 = {"type": "integer", "minimum": -INT64_MAX - 1, "maximum": INT64_MAX}
     nullable = lambda schema: {"anyOf": [schema, {"type": "null"}]}  # noqa: E731
     return {
-        "model": {"type": "string"}, "stream": nullable({"type": "boolean"}),
+        "model": _MODEL, "stream": nullable({"type": "boolean"}),
         "stream_options": nullable({"type": "object", "properties": {
             "include_usage": {"type": "boolean"}}}),
         "n": nullable({"type": "integer", "minimum": 1, "maximum": lim.max_n}),
@@ -108,13 +112,13 @@ def _schemas(lim: ValidationLimits) -> dict[str, Any]:
                                       "usage": usage}},
         "TokenizeRequest": {"anyOf": [
             {"type": "object", "required": ["prompt"], "properties": {
-                "model": {"type": "string"}, "prompt": {"type": "string"},
-                "add_special_tokens": {"type": "boolean"}}},
+                "model": _MODEL, "prompt": {"type": "string"},
+                "add_special_tokens": {"anyOf": [{"type": "boolean"}, {"type": "null"}]}}},
             {"type": "object", "required": ["messages"], "properties": {
-                "model": {"type": "string"},
+                "model": _MODEL,
                 "messages": {"type": "array", "minItems": 1, "items": message}}}]},
         "DetokenizeRequest": {"type": "object", "required": ["tokens"], "properties": {
-            "model": {"type": "string"}, "tokens": {"type": "array", "items": _token_id(lim)}}},
+            "model": _MODEL, "tokens": {"type": "array", "items": _token_id(lim)}}},
     }
 
 
