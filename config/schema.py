@@ -139,9 +139,10 @@ class WorkerConfig:
     enforce_eager: bool = _f(False, "CUDA: run every step eagerly; false captures decode "
                              "steps as CUDA graphs over a ladder of batch sizes (1, 2, 4, 8, "
                              "16, 32, ... up to scheduler.max_num_seqs, at most 512)")
-    k_major_weights: bool = _f(True, "CPU: store linear weights K-major ([in, out] "
+    k_major_weights: bool = _f(True, "CPU: store float32 linear weights K-major ([in, out] "
                                "contiguous), 1.5-5x faster matmuls at 4-32 rows; a tied LM "
-                               "head gets its own copy (vocab x hidden more memory)")
+                               "head gets its own copy (vocab x hidden more memory). 16-bit "
+                               "weights stay row-major where the native kernel reads them")
 
     def __post_init__(self):
         _check(self.device in DEVICES, "worker.device",

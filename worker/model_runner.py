@@ -61,11 +61,11 @@ class ModelRunner:
         self.model = build_model(self.arch, self.max_model_len + 1)
         self.model.load_weights(loaded.state_dict)
         self.model.to(device=self.device, dtype=self.dtype).eval()
-        if self.device.type == "cpu" and worker_config.k_major_weights:
-            self.model.prepare_for_cpu()
+        k_major_weights = (self.device.type == "cpu" and worker_config.k_major_weights
+                           and self.model.prepare_for_cpu())
         self.load_seconds = time.perf_counter() - t0
         log.info("model loaded", path=str(loaded.source_path), dtype=str(self.dtype),
-                 k_major_weights=self.device.type == "cpu" and worker_config.k_major_weights,
+                 k_major_weights=k_major_weights,
                  architecture=self.arch.architecture, seconds=round(self.load_seconds, 2))
         self.block_size = memory_config.block_size
         self.kv_caches: list[torch.Tensor] = []
@@ -76,12 +76,12 @@ class ModelRunner:
         self.cuda_graphs = None  # DecodeCudaGraphs once captured
 
     def _pick_attention_backend(self) -> AttentionBackend:
-        from kernels import cpu_paged_attention
+        from kernels import cpu_extension, cpu_paged_attention
         name = choose_attention_backend(self.worker_config.attention_backend, self.device,
                                         cpu_paged_attention.is_available)
         extra = {}
-        if self.device.type == "cpu" and cpu_paged_attention.load_seconds is not None:
-            extra["build_or_load_seconds"] = round(cpu_paged_attention.load_seconds, 2)
+        if self.device.type == "cpu" and cpu_extension.load_seconds is not None:
+            extra["build_or_load_seconds"] = round(cpu_extension.load_seconds, 2)
         log.info("attention backend", backend=name, device=str(self.device), **extra)
         return make_attention_backend(name, self.device, self.arch.num_key_value_heads)
 

@@ -15,6 +15,17 @@ Two measured effects on a 2-core AVX-512 CPU (SmolLM2's projection shapes):
   the same thing (float32 products and sums, one rounding of the output) and wins once
   there are enough rows to amortise the widening; with fewer rows the call is bound by
   reading the weight, and the native path, which reads half the bytes, stays faster.
+* The native 16-bit kernel (``kernels/csrc/half_linear.cpp``) has both: it reads the
+  16-bit weight once, widening in registers, and multiplies in float32 at close to the
+  float32 GEMM's rate. Over all of SmolLM2's projections and its LM head (weights
+  streaming from memory, as in a decode step), bf16 through it took 21 / 99 / 188 ms
+  at 1 / 32 / 64 rows, against 27 / 279 / 467 ms (1 / 32 / 63 rows) for the native
+  GEMM, 330 ms for widening at 64 rows and 37 / 149 / 217 ms for float32 weights. It
+  reads the usual ``[out, in]`` row-major weight, so with it the weights stay as loaded.
+  From 256 rows on (prefill) widening catches up and the float32 GEMM's better blocking
+  wins.
+
+:func:`half_path` decides per call; :func:`linear` follows it.
 """
 from __future__ import annotations
 
@@ -22,26 +33,62 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_extension
 from worker.device import cpu_has_native_half
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 # Rows (tokens) from which widening beats the native bf16 GEMM on a CPU without bf16
 # instructions: measured crossover between 64 and 128 rows for SmolLM2's projections.
 WIDEN_MIN_ROWS = 64
+# Rows below which the native 16-bit kernel runs; from here on, widening (measured even
+# with it at 256 rows over SmolLM2's layers, ahead beyond).
+HALF_KERNEL_MAX_ROWS = 256
+NATIVE, KERNEL, WIDEN = "native", "kernel", "widen"
 
 
-def needs_widening(x: torch.Tensor) -> bool:
-    """True when ``x @ W.T`` should run in float32 (see the module docstring)."""
-    return (x.dtype in (torch.bfloat16, torch.float16) and x.device.type == "cpu"
-            and x.shape[0] >= WIDEN_MIN_ROWS and not cpu_has_native_half(x.dtype))
+def lacks_half_arithmetic(dtype: torch.dtype, device: torch.device) -> bool:
+    """A 16-bit ``dtype`` on a CPU that cannot multiply it natively."""
+    return dtype in HALF_DTYPES and device.type == "cpu" and not cpu_has_native_half(dtype)
+
+
+def kernel_takes(weight: torch.Tensor) -> bool:
+    """Whether the native 16-bit kernel can run ``x @ weight.T``: row-major 16-bit
+    weight, out a multiple of 16 and in of 32, and the kernels built."""
+    return (weight.dim() == 2 and weight.dtype in HALF_DTYPES and weight.stride(1) == 1
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
+            and cpu_extension.is_available())
+
+
+def half_path(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """How ``x @ weight.T`` runs: NATIVE (plain ``F.linear``), KERNEL (the native 16-bit
+    kernel) or WIDEN (both operands widened to float32); see the module docstring."""
+    if not lacks_half_arithmetic(x.dtype, x.device) or weight.dtype != x.dtype:
+        return NATIVE
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows < HALF_KERNEL_MAX_ROWS and kernel_takes(weight):
+        return KERNEL
+    return WIDEN if rows >= WIDEN_MIN_ROWS else NATIVE
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` that widens 16-bit operands to float32 where that is faster."""
-    if not needs_widening(x):
+    """``F.linear`` through the fastest exact path :func:`half_path` picks."""
+    path = half_path(x, weight)
+    if path == NATIVE:
         return F.linear(x, weight, bias)
+    if path == KERNEL:
+        rows = x.reshape(-1, x.shape[-1])
+        out = cpu_extension.require().half_linear(rows, weight, bias)
+        return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
     out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     return out.to(x.dtype)
+
+
+def wants_k_major(dtype: torch.dtype) -> bool:
+    """Whether weights of ``dtype`` run faster K-major on this CPU: yes for the float32
+    GEMM, no for 16-bit weights the native kernel reads (it wants them row-major)."""
+    return not (lacks_half_arithmetic(dtype, torch.device("cpu"))
+                and cpu_extension.is_available())
 
 
 class Linear(nn.Linear):

@@ -18,7 +18,7 @@ from kernels.reshape_and_cache import reshape_and_cache
 from kernels.rms_norm import rms_norm
 from kernels.rotary_embedding import rotary_embedding
 from worker.models.architecture import ModelArchitecture
-from worker.models.linear import Linear, k_major, linear, use_k_major_weights
+from worker.models.linear import Linear, k_major, linear, use_k_major_weights, wants_k_major
 from worker.models.rotary_embedding import RotaryAngles, RotaryEmbedding
 
 
@@ -141,12 +141,16 @@ class LlamaForCausalLM(nn.Module):
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear(hidden, weight).float()
 
-    def prepare_for_cpu(self) -> None:
-        """Lay the linear weights out K-major for the CPU GEMM (worker/models/linear.py);
-        a tied head gets a K-major copy of the embedding (one more vocab x hidden)."""
+    def prepare_for_cpu(self) -> bool:
+        """Lay the linear weights out K-major where the CPU GEMM wants it
+        (worker/models/linear.py; a tied head then gets a K-major copy of the
+        embedding, one more vocab x hidden). Returns whether it did."""
+        if not wants_k_major(self.embed_tokens.weight.dtype):
+            return False
         use_k_major_weights(self)
         if self.lm_head is None:
             self.head_weight = k_major(self.embed_tokens.weight)
+        return True
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:

@@ -1,0 +1,221 @@
+// y = x @ W.T for 16-bit (bf16 / fp16) weights on a CPU without 16-bit arithmetic.
+//
+// Such a CPU (AVX-512F without AVX512-BF16 / AVX512-FP16) has no 16-bit multiply, so
+// every product is a float32 one whatever library runs it; the question is only where
+// the widening happens. torch's native bf16 GEMM widens small operand tiles inside a
+// generic kernel and runs at a fraction of the float32 rate; widening the whole weight
+// per call writes and reads a full float32 copy of it. This kernel widens in registers,
+// right after loading 16 weights, so the weight is read from memory once, at 2 bytes an
+// element: at the few rows of a decode step, which are bound by reading the weight,
+// that is half of float32's traffic.
+//
+// Layout: the usual nn.Linear weight, `[N, K]` row-major (`w[n * ldw + k]`), so every
+// output is a dot product along contiguous memory; x is `[M, K]` float32.
+//
+//   output rows n are cut into blocks of kBlockN = 16; threads split the blocks.
+//   per block, for each tile of MR x rows and NR weight rows (MR * NR = 16):
+//     acc[MR][NR] (16 registers) += x[m, k:k+16] * w[n, k:k+16]    for k in 0, 16, ...
+//     then one transpose-sum folds the 16 accumulators into the 16 outputs.
+//   the block's weight rows (16 x K x 2 bytes) come from memory for the first x tile
+//   and from L1/L2 for the rest.
+//
+// All arithmetic is float32 (products and sums); the caller rounds the result once.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+
+#include "cpu_vec.h"
+
+namespace folio {
+namespace {
+
+using vec::kLanes;
+using vec::vf;
+
+constexpr int kBlockN = 16;  // weight rows per work item (a multiple of every NR)
+
+// 32 consecutive weights of a row as two float vectors, in the order `chunk_order`
+// gives x. bf16: interleaving zero halves below the bits of each 128-bit quarter is one
+// shuffle per vector (no shift), at the price of a fixed permutation of k; fp16: the
+// conversion instruction, in order.
+inline void load32(const c10::BFloat16* p, vf& lo, vf& hi) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  const __m512i bits = _mm512_loadu_si512(p);
+  const __m512i lo_i = _mm512_unpacklo_epi16(_mm512_setzero_si512(), bits);
+  const __m512i hi_i = _mm512_unpackhi_epi16(_mm512_setzero_si512(), bits);
+  std::memcpy(&lo, &lo_i, sizeof lo);
+  std::memcpy(&hi, &hi_i, sizeof hi);
+#else
+  lo = vec::load(p);
+  hi = vec::load(p + kLanes);
+#endif
+}
+
+inline void load32(const c10::Half* p, vf& lo, vf& hi) {
+  lo = vec::load(p);
+  hi = vec::load(p + kLanes);
+}
+
+// Position, within a chunk of 32, of the k that lands in lane `i` of load32's output.
+template <typename W>
+inline int chunk_order(int i) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+  if constexpr (std::is_same_v<W, c10::BFloat16>) {
+    // unpacklo takes words 0-3 of each 128-bit quarter (8 words), unpackhi words 4-7.
+    const int half = i / 16, lane = i % 16;
+    return (lane / 4) * 8 + half * 4 + lane % 4;
+  }
+#endif
+  return i;
+}
+
+// y[m, n] = sum_k x[m, k] * w[n, k] for m < MR, n < NR; K a multiple of 32, x's rows
+// permuted per chunk of 32 as chunk_order says.
+template <int MR, int NR, bool Prefetch, typename W>
+inline void tile(const float* __restrict x, int64_t ldx, const W* __restrict w,
+                 int64_t ldw, int64_t K, float* __restrict y, int64_t ldy) {
+  static_assert(MR * NR == kLanes, "one transpose-sum folds the whole tile");
+  vf acc[MR * NR];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR * NR; ++i) acc[i] = vf{};
+  for (int64_t k = 0; k < K; k += 2 * kLanes) {
+    vf lo[NR], hi[NR];
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) {
+      load32(w + j * ldw + k, lo[j], hi[j]);  // 64 bytes: one cache line a row
+      // The same line of the next block's rows: that block is read from memory next.
+      if constexpr (Prefetch) __builtin_prefetch(w + (j + kBlockN) * ldw + k);
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < MR; ++i) {
+      const vf a = vec::load(x + i * ldx + k);
+      const vf b = vec::load(x + i * ldx + k + kLanes);
+#pragma GCC unroll 16
+      for (int j = 0; j < NR; ++j) {
+        acc[i * NR + j] += a * lo[j];  // two statements: two fused multiply-adds
+        acc[i * NR + j] += b * hi[j];
+      }
+    }
+  }
+  const vf sums = vec::transpose_sum(acc);  // lane i * NR + j = y[i, j]
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 16
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = sums[i * NR + j];
+}
+
+// Rows [0, M) of x against one block of kBlockN weight rows.
+template <typename W>
+void block(const float* x, int64_t M, int64_t K, const W* w, int64_t ldw, float* y,
+           int64_t ldy) {
+  // The first pass over the block reads it from memory (and prefetches the next
+  // block); later passes find it in cache.
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) {
+    for (int n = 0; n < kBlockN; n += 4) {
+      if (m == 0) {
+        tile<4, 4, true>(x, K, w + n * ldw, ldw, K, y + n, ldy);
+      } else {
+        tile<4, 4, false>(x + m * K, K, w + n * ldw, ldw, K, y + m * ldy + n, ldy);
+      }
+    }
+  }
+  const float* xm = x + m * K;
+  float* ym = y + m * ldy;
+  const bool first = m == 0;
+  switch (M - m) {
+    case 1:
+      if (first) tile<1, 16, true>(xm, K, w, ldw, K, ym, ldy);
+      else tile<1, 16, false>(xm, K, w, ldw, K, ym, ldy);
+      break;
+    case 2:
+      for (int n = 0; n < kBlockN; n += 8) {
+        if (first) tile<2, 8, true>(xm, K, w + n * ldw, ldw, K, ym + n, ldy);
+        else tile<2, 8, false>(xm, K, w + n * ldw, ldw, K, ym + n, ldy);
+      }
+      break;
+    case 3:  // a 2-row tile and a 1-row tile
+      for (int n = 0; n < kBlockN; n += 8) {
+        if (first) tile<2, 8, true>(xm, K, w + n * ldw, ldw, K, ym + n, ldy);
+        else tile<2, 8, false>(xm, K, w + n * ldw, ldw, K, ym + n, ldy);
+      }
+      tile<1, 16, false>(xm + 2 * K, K, w, ldw, K, ym + 2 * ldy, ldy);
+      break;
+    default:
+      break;
+  }
+}
+
+template <typename W>
+void run(const float* x, int64_t M, int64_t K, const W* w, int64_t ldw, int64_t N,
+         float* y) {
+  const int64_t blocks = N / kBlockN;
+  // Enough work per thread chunk that forking the pool pays off (~64K multiply-adds).
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * K * kBlockN));
+  at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      block(x, M, K, w + b * kBlockN * ldw, ldw, y + b * kBlockN, N);
+  });
+}
+
+// x [M, K] float32 contiguous with each chunk of 32 columns reordered for load32.
+template <typename W>
+at::Tensor in_chunk_order(const at::Tensor& xf) {
+  if (chunk_order<W>(1) == 1 && chunk_order<W>(4) == 4 && chunk_order<W>(16) == 16)
+    return xf;  // natural order
+  at::Tensor out = at::empty_like(xf);
+  const float* src = xf.const_data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  int order[2 * kLanes];
+  for (int i = 0; i < 2 * kLanes; ++i) order[i] = chunk_order<W>(i);
+  const int64_t chunks = xf.numel() / (2 * kLanes);  // K % 32 == 0: rows hold whole chunks
+  for (int64_t c = 0; c < chunks; ++c)
+    for (int i = 0; i < 2 * kLanes; ++i) dst[c * 2 * kLanes + i] = src[c * 2 * kLanes + order[i]];
+  return out;
+}
+
+// x [M, K] (any floating dtype), weight [N, K] bf16/fp16 with contiguous rows, K and N
+// multiples of 16. Returns x @ weight.T (+ bias) in float32.
+at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight,
+                       const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "half_linear: 2-D operands expected");
+  TORCH_CHECK(x.size(1) == weight.size(1), "half_linear: x is [M, K], weight [N, K]");
+  TORCH_CHECK(weight.stride(1) == 1, "half_linear: weight rows must be contiguous");
+  TORCH_CHECK(weight.size(0) % kBlockN == 0 && weight.size(1) % (2 * kLanes) == 0,
+              "half_linear: N must be a multiple of 16 and K of 32");
+  const at::ScalarType wt = weight.scalar_type();
+  TORCH_CHECK(wt == at::kBFloat16 || wt == at::kHalf, "half_linear: bf16/fp16 weight");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  if (M > 0 && N > 0) {
+    float* yp = out.data_ptr<float>();
+    if (wt == at::kBFloat16) {
+      const at::Tensor xk = in_chunk_order<c10::BFloat16>(xf);
+      run(xk.const_data_ptr<float>(), M, K, weight.const_data_ptr<c10::BFloat16>(),
+          weight.stride(0), N, yp);
+    } else {
+      const at::Tensor xk = in_chunk_order<c10::Half>(xf);
+      run(xk.const_data_ptr<float>(), M, K, weight.const_data_ptr<c10::Half>(),
+          weight.stride(0), N, yp);
+    }
+  }
+  if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat));
+  return out;
+}
+
+}  // namespace
+}  // namespace folio
+
+TORCH_LIBRARY_FRAGMENT(folio, m) {
+  m.def("half_linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(folio, CPU, m) {
+  m.impl("half_linear", &folio::half_linear);
+}
