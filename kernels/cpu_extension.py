@@ -1,6 +1,6 @@
 """The native CPU kernels, compiled at first use into one extension.
 
-``csrc/*.cpp`` (decode paged attention, 16-bit linear layers) are built with
+``csrc/*.cpp`` (decode paged attention, 16-bit linear layers, fused RMSNorm) are built with
 ``torch.utils.cpp_extension.load`` the first time :func:`ensure` (or a wrapper's
 ``is_available``) runs, then loaded from the build folder on later starts (a warm load
 takes well under a second; a cold build a minute or so). Each source registers its
@@ -39,7 +39,8 @@ log = get_logger(__name__)
 
 DISABLE_ENV = "FOLIO_DISABLE_CPU_KERNELS"
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = [_CSRC / "paged_attention_decode.cpp", _CSRC / "half_linear.cpp"]
+_SOURCES = [_CSRC / "paged_attention_decode.cpp", _CSRC / "half_linear.cpp",
+            _CSRC / "rms_norm.cpp"]
 _HEADERS = [_CSRC / "cpu_vec.h"]  # torch only tracks `sources`: hashed into the name
 # -fopenmp: at::parallel_for's OpenMP backend is inline in the torch headers, and
 # `#pragma omp simd` marks the reductions vectorisable without -ffast-math.
@@ -55,7 +56,8 @@ load_seconds: float | None = None  # how long the first build-or-load took
 
 
 def _disabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no")
+    value = os.environ.get(DISABLE_ENV)  # read per call: tests and operators flip it
+    return value is not None and value.strip().lower() not in ("", "0", "false", "no")
 
 
 def _cpu_flags() -> str:
@@ -142,7 +144,9 @@ def is_available() -> bool:
 
     False while ``FOLIO_DISABLE_CPU_KERNELS`` is set, even once loaded: callers pick
     torch then; a direct operator call still runs a loaded kernel."""
-    return not _disabled() and ensure() is not None
+    if _disabled():
+        return False
+    return _ops is not None or ensure() is not None
 
 
 def unavailable_reason() -> str | None:

@@ -19,15 +19,18 @@
 //   the block's weight rows (16 x K x 2 bytes) come from memory for the first x tile
 //   and from L1/L2 for the rest.
 //
-// All arithmetic is float32 (products and sums); the caller rounds the result once.
+// All arithmetic is float32 (products and sums); each output is rounded once, to x's
+// dtype, as it is stored.
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "cpu_vec.h"
 
@@ -74,11 +77,12 @@ inline int chunk_order(int i) {
   return i;
 }
 
-// y[m, n] = sum_k x[m, k] * w[n, k] for m < MR, n < NR; K a multiple of 32, x's rows
-// permuted per chunk of 32 as chunk_order says.
-template <int MR, int NR, bool Prefetch, typename W>
+// y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for m < MR, n < NR, rounded once to O;
+// K a multiple of 32, x's rows permuted per chunk of 32 as chunk_order says.
+template <int MR, int NR, bool Prefetch, typename W, typename O>
 inline void tile(const float* __restrict x, int64_t ldx, const W* __restrict w,
-                 int64_t ldw, int64_t K, float* __restrict y, int64_t ldy) {
+                 int64_t ldw, int64_t K, const float* __restrict bias, O* __restrict y,
+                 int64_t ldy) {
   static_assert(MR * NR == kLanes, "one transpose-sum folds the whole tile");
   vf acc[MR * NR];
 #pragma GCC unroll 16
@@ -106,106 +110,123 @@ inline void tile(const float* __restrict x, int64_t ldx, const W* __restrict w,
 #pragma GCC unroll 4
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 16
-    for (int j = 0; j < NR; ++j) y[i * ldy + j] = sums[i * NR + j];
+    for (int j = 0; j < NR; ++j)
+      y[i * ldy + j] = static_cast<O>(sums[i * NR + j] + (bias ? bias[j] : 0.f));
 }
 
 // Rows [0, M) of x against one block of kBlockN weight rows.
-template <typename W>
-void block(const float* x, int64_t M, int64_t K, const W* w, int64_t ldw, float* y,
-           int64_t ldy) {
+template <typename W, typename O>
+void block(const float* x, int64_t M, int64_t K, const W* w, int64_t ldw,
+           const float* bias, O* y, int64_t ldy) {
   // The first pass over the block reads it from memory (and prefetches the next
   // block); later passes find it in cache.
+  auto at = [&](int n) { return bias ? bias + n : nullptr; };
   int64_t m = 0;
   for (; m + 4 <= M; m += 4) {
     for (int n = 0; n < kBlockN; n += 4) {
       if (m == 0) {
-        tile<4, 4, true>(x, K, w + n * ldw, ldw, K, y + n, ldy);
+        tile<4, 4, true>(x, K, w + n * ldw, ldw, K, at(n), y + n, ldy);
       } else {
-        tile<4, 4, false>(x + m * K, K, w + n * ldw, ldw, K, y + m * ldy + n, ldy);
+        tile<4, 4, false>(x + m * K, K, w + n * ldw, ldw, K, at(n), y + m * ldy + n, ldy);
       }
     }
   }
   const float* xm = x + m * K;
-  float* ym = y + m * ldy;
+  O* ym = y + m * ldy;
   const bool first = m == 0;
   switch (M - m) {
     case 1:
-      if (first) tile<1, 16, true>(xm, K, w, ldw, K, ym, ldy);
-      else tile<1, 16, false>(xm, K, w, ldw, K, ym, ldy);
+      if (first) tile<1, 16, true>(xm, K, w, ldw, K, bias, ym, ldy);
+      else tile<1, 16, false>(xm, K, w, ldw, K, bias, ym, ldy);
       break;
     case 2:
       for (int n = 0; n < kBlockN; n += 8) {
-        if (first) tile<2, 8, true>(xm, K, w + n * ldw, ldw, K, ym + n, ldy);
-        else tile<2, 8, false>(xm, K, w + n * ldw, ldw, K, ym + n, ldy);
+        if (first) tile<2, 8, true>(xm, K, w + n * ldw, ldw, K, at(n), ym + n, ldy);
+        else tile<2, 8, false>(xm, K, w + n * ldw, ldw, K, at(n), ym + n, ldy);
       }
       break;
     case 3:  // a 2-row tile and a 1-row tile
       for (int n = 0; n < kBlockN; n += 8) {
-        if (first) tile<2, 8, true>(xm, K, w + n * ldw, ldw, K, ym + n, ldy);
-        else tile<2, 8, false>(xm, K, w + n * ldw, ldw, K, ym + n, ldy);
+        if (first) tile<2, 8, true>(xm, K, w + n * ldw, ldw, K, at(n), ym + n, ldy);
+        else tile<2, 8, false>(xm, K, w + n * ldw, ldw, K, at(n), ym + n, ldy);
       }
-      tile<1, 16, false>(xm + 2 * K, K, w, ldw, K, ym + 2 * ldy, ldy);
+      tile<1, 16, false>(xm + 2 * K, K, w, ldw, K, bias, ym + 2 * ldy, ldy);
       break;
     default:
       break;
   }
 }
 
-template <typename W>
+template <typename W, typename O>
 void run(const float* x, int64_t M, int64_t K, const W* w, int64_t ldw, int64_t N,
-         float* y) {
+         const float* bias, O* y) {
   const int64_t blocks = N / kBlockN;
   // Enough work per thread chunk that forking the pool pays off (~64K multiply-adds).
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, M * K * kBlockN));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t b = begin; b < end; ++b)
-      block(x, M, K, w + b * kBlockN * ldw, ldw, y + b * kBlockN, N);
+      block(x, M, K, w + b * kBlockN * ldw, ldw, bias ? bias + b * kBlockN : nullptr,
+            y + b * kBlockN, N);
   });
 }
 
-// x [M, K] float32 contiguous with each chunk of 32 columns reordered for load32.
-template <typename W>
-at::Tensor in_chunk_order(const at::Tensor& xf) {
-  if (chunk_order<W>(1) == 1 && chunk_order<W>(4) == 4 && chunk_order<W>(16) == 16)
-    return xf;  // natural order
-  at::Tensor out = at::empty_like(xf);
-  const float* src = xf.const_data_ptr<float>();
-  float* dst = out.data_ptr<float>();
+// x [M, K] as float32 into `dst`, each chunk of 32 columns reordered for load32 (one
+// pass: widen and permute together).
+template <typename W, typename T>
+void x_in_chunk_order(const T* src, int64_t M, int64_t K, int64_t ldx, float* dst) {
   int order[2 * kLanes];
   for (int i = 0; i < 2 * kLanes; ++i) order[i] = chunk_order<W>(i);
-  const int64_t chunks = xf.numel() / (2 * kLanes);  // K % 32 == 0: rows hold whole chunks
-  for (int64_t c = 0; c < chunks; ++c)
-    for (int i = 0; i < 2 * kLanes; ++i) dst[c * 2 * kLanes + i] = src[c * 2 * kLanes + order[i]];
-  return out;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < K; c += 2 * kLanes)
+      for (int i = 0; i < 2 * kLanes; ++i)
+        dst[m * K + c + i] = static_cast<float>(src[m * ldx + c + order[i]]);
 }
 
-// x [M, K] (any floating dtype), weight [N, K] bf16/fp16 with contiguous rows, K and N
-// multiples of 16. Returns x @ weight.T (+ bias) in float32.
-at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight,
+template <typename W>
+void dispatch(const at::Tensor& x, const at::Tensor& weight, const float* bias,
+              at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const W* w = weight.const_data_ptr<W>();
+  thread_local std::vector<float> xbuf;  // the caller's thread prepares x
+  xbuf.resize(static_cast<size_t>(M * K));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "half_linear",
+                                  [&] {
+    x_in_chunk_order<W>(x.const_data_ptr<scalar_t>(), M, K, x.stride(0), xbuf.data());
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      run(xbuf.data(), M, K, w, weight.stride(0), N, bias, out.data_ptr<double>());
+    } else {
+      run(xbuf.data(), M, K, w, weight.stride(0), N, bias, out.data_ptr<scalar_t>());
+    }
+  });
+}
+
+// x [M, K] (any floating dtype, rows contiguous), weight [N, K] bf16/fp16 with
+// contiguous rows, N a multiple of 16 and K of 32. Returns x @ weight.T (+ bias) in x's
+// dtype: float32 products and sums, one rounding of the output.
+at::Tensor half_linear(const at::Tensor& x_in, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2, "half_linear: 2-D operands expected");
-  TORCH_CHECK(x.size(1) == weight.size(1), "half_linear: x is [M, K], weight [N, K]");
+  TORCH_CHECK(x_in.dim() == 2 && weight.dim() == 2, "half_linear: 2-D operands expected");
+  TORCH_CHECK(x_in.size(1) == weight.size(1), "half_linear: x is [M, K], weight [N, K]");
   TORCH_CHECK(weight.stride(1) == 1, "half_linear: weight rows must be contiguous");
   TORCH_CHECK(weight.size(0) % kBlockN == 0 && weight.size(1) % (2 * kLanes) == 0,
               "half_linear: N must be a multiple of 16 and K of 32");
   const at::ScalarType wt = weight.scalar_type();
   TORCH_CHECK(wt == at::kBFloat16 || wt == at::kHalf, "half_linear: bf16/fp16 weight");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M > 0 && N > 0) {
-    float* yp = out.data_ptr<float>();
-    if (wt == at::kBFloat16) {
-      const at::Tensor xk = in_chunk_order<c10::BFloat16>(xf);
-      run(xk.const_data_ptr<float>(), M, K, weight.const_data_ptr<c10::BFloat16>(),
-          weight.stride(0), N, yp);
-    } else {
-      const at::Tensor xk = in_chunk_order<c10::Half>(xf);
-      run(xk.const_data_ptr<float>(), M, K, weight.const_data_ptr<c10::Half>(),
-          weight.stride(0), N, yp);
-    }
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+  if (out.numel() == 0) return out;
+  at::Tensor bias_f;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0),
+                "half_linear: bias must be [N]");
+    bias_f = bias->to(at::kFloat).contiguous();
   }
-  if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat));
+  const float* bp = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
+  if (wt == at::kBFloat16) {
+    dispatch<c10::BFloat16>(x, weight, bp, out);
+  } else {
+    dispatch<c10::Half>(x, weight, bp, out);
+  }
   return out;
 }
 

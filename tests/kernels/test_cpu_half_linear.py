@@ -1,8 +1,9 @@
 """The native 16-bit linear kernel (``torch.ops.folio.half_linear``) against float64.
 
-The kernel computes ``x @ weight.T (+ bias)`` in float32 from 16-bit weights; the
-reference is the float64 product of the same (exactly representable) values, so the
-only difference is float32 summation order. ``FOLIO_DISABLE_CPU_KERNELS=1`` skips.
+The kernel computes ``x @ weight.T (+ bias)`` in float32 from 16-bit weights and rounds
+the result once to x's dtype. With float32 x the reference is the float64 product of
+the same (exactly representable) values, so the only difference is float32 summation
+order. ``FOLIO_DISABLE_CPU_KERNELS=1`` skips.
 """
 import os
 
@@ -39,7 +40,7 @@ def assert_float32_close(out, exact, k):
 @pytest.mark.parametrize("rows", [0, 1, 2, 3, 4, 5, 6, 7, 8, 13, 64, 255])
 def test_every_row_tiling_matches_the_reference(ops, dtype, rows):
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 96, generator=g).to(dtype)
+    x = torch.randn(rows, 96, generator=g).to(dtype).float()  # float32 out: no rounding
     w = torch.randn(48, 96, generator=g).to(dtype)
     out = ops.half_linear(x, w)
     assert out.shape == (rows, 48)
@@ -59,15 +60,31 @@ def test_strided_operands(ops):
     g = torch.Generator().manual_seed(7)
     wide = torch.randn(32, 200, generator=g).bfloat16()
     w = wide[:, 8:72]                      # rows 200 apart, each contiguous
-    x = torch.randn(64, 5, generator=g).bfloat16().t()   # non-contiguous [5, 64]
+    x = torch.randn(64, 5, generator=g).bfloat16().float().t()   # non-contiguous [5, 64]
     assert_float32_close(ops.half_linear(x, w), reference(x, w), 64)
+    rows = torch.randn(6, 100, generator=g).bfloat16().float()[:, 4:68]  # rows 100 apart
+    assert_float32_close(ops.half_linear(rows, w), reference(rows, w), 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_input_gives_16_bit_output_rounded_once(ops, dtype):
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(10, 64, generator=g).to(dtype)
+    w = torch.randn(32, 64, generator=g).to(dtype)
+    b = torch.randn(32, generator=g).to(dtype)
+    out = ops.half_linear(x, w, b)
+    assert out.dtype == dtype and out.shape == (10, 32)
+    exact = reference(x, w, b)
+    # the float32 sum, rounded once: within one 16-bit ulp of the exact value
+    ulp = torch.finfo(dtype).eps * exact.abs()
+    assert ((out.double() - exact).abs() <= ulp + 1e-3).all()
 
 
 def test_distinct_rows_and_columns_land_in_place(ops):
     # one-hot rows pick single weight columns: any permutation slip shows exactly
     k, n = 64, 32
     w = torch.arange(n * k, dtype=torch.float32).reshape(n, k).remainder(251).bfloat16()
-    x = torch.eye(k)[[0, 5, 17, 31, 32, 47, 63]].bfloat16()
+    x = torch.eye(k)[[0, 5, 17, 31, 32, 47, 63]]
     out = ops.half_linear(x, w)
     assert torch.equal(out, w.float().t()[[0, 5, 17, 31, 32, 47, 63]])
 

@@ -80,9 +80,9 @@ def test_linear_module_keeps_nn_linear_parameter_names():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_k_major_weights_keep_values_shapes_and_results(dtype):
-    g = torch.Generator().manual_seed(3)
+    torch.manual_seed(3)  # the layers' initial weights
     model = torch.nn.Sequential(Linear(96, 80), Linear(80, 40, bias=False)).to(dtype)
-    x = torch.randn(70, 96, generator=g).to(dtype)
+    x = torch.randn(70, 96).to(dtype)
     before = model(x)
     weights = [m.weight.detach().clone() for m in model]
     assert use_k_major_weights(model) == 2
@@ -90,7 +90,13 @@ def test_k_major_weights_keep_values_shapes_and_results(dtype):
         assert is_k_major(m.weight) and not m.weight.is_contiguous()
         assert m.weight.shape == w.shape and torch.equal(m.weight, w)
         assert isinstance(m.weight, torch.nn.Parameter)
-    torch.testing.assert_close(model(x), before)
+    # In bf16 the re-laid first layer leaves the kernel for widening: the same float32
+    # sums in another order, so an output may round one ulp apart, and the second layer
+    # sees that: allow a few ulps of the output's scale.
+    scale = before.abs().max().item()
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(model(x), before, rtol=max(2 * eps, 1.3e-6),
+                               atol=max(4 * eps * scale, 1e-5))
     with torch.no_grad():  # loading into a re-laid weight keeps its layout
         model[0].weight.copy_(weights[0] * 2)
     assert is_k_major(model[0].weight)

@@ -62,9 +62,11 @@ def kernel_takes(weight: torch.Tensor) -> bool:
 def half_path(x: torch.Tensor, weight: torch.Tensor) -> str:
     """How ``x @ weight.T`` runs: NATIVE (plain ``F.linear``), KERNEL (the native 16-bit
     kernel) or WIDEN (both operands widened to float32); see the module docstring."""
-    if not lacks_half_arithmetic(x.dtype, x.device) or weight.dtype != x.dtype:
+    dtype = x.dtype
+    if dtype not in HALF_DTYPES or weight.dtype != dtype or not lacks_half_arithmetic(
+            dtype, x.device):
         return NATIVE
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    rows = x.shape[0] if x.dim() == 2 else (x.numel() // x.shape[-1] if x.shape[-1] else 0)
     if rows < HALF_KERNEL_MAX_ROWS and kernel_takes(weight):
         return KERNEL
     return WIDEN if rows >= WIDEN_MIN_ROWS else NATIVE
@@ -73,15 +75,19 @@ def half_path(x: torch.Tensor, weight: torch.Tensor) -> str:
 def linear(x: torch.Tensor, weight: torch.Tensor,
            bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` through the fastest exact path :func:`half_path` picks."""
-    path = half_path(x, weight)
-    if path == NATIVE:
+    if x.dtype not in HALF_DTYPES:  # float32: no decision to make
         return F.linear(x, weight, bias)
+    path = half_path(x, weight)
     if path == KERNEL:
-        rows = x.reshape(-1, x.shape[-1])
-        out = cpu_extension.require().half_linear(rows, weight, bias)
-        return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
-    out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    return out.to(x.dtype)
+        ops = cpu_extension.require()
+        if x.dim() == 2:
+            return ops.half_linear(x, weight, bias)
+        out = ops.half_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+    if path == WIDEN:
+        out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return out.to(x.dtype)
+    return F.linear(x, weight, bias)
 
 
 def wants_k_major(dtype: torch.dtype) -> bool:
