@@ -44,8 +44,10 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto`` → bfloat16 on GPUs and on CPUs with bf16 hardware, float32 otherwise.
 
-    Without bf16 instructions a CPU converts every bf16 operand to float32 inside the
-    matmul, which measured here runs at half the float32 speed or worse.
+    Without bf16 instructions torch's CPU matmul converts every bf16 operand to float32
+    inside the kernel and measured here at half the float32 speed or worse. Folio's
+    native kernel (worker/models/linear.py) closes that gap for decode, but bf16 prefill
+    still runs the float32 GEMM on widened weights, so float32 stays the default there.
     """
     if name != "auto":
         return _DTYPES[name]
