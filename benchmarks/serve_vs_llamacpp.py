@@ -4,7 +4,7 @@ in one run: aggregate throughput and latency at fixed concurrency, and single-st
 decode speed.
 
 Precision differs and the report says so: llama.cpp computes on the 4-bit weights,
-Folio on weights dequantised to float32. Both are told to ignore EOS (Folio with
+Folio on weights dequantised to float32 (or bf16 with ``--dtype bfloat16``). Both are told to ignore EOS (Folio with
 ``ignore_eos``, llama.cpp with a -100 logit bias on the end tokens) so both generate
 exactly the requested lengths.
 
@@ -25,6 +25,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -32,6 +34,7 @@ from benchmarks.serve_stack import serving  # noqa: E402
 from folio.bench.serve import LoadSpec, bench_serve, format_report  # noqa: E402
 from folio.bench.workload import make_workload  # noqa: E402
 from services.api.tokenizer import Tokenizer  # noqa: E402
+from worker.device import resolve_dtype  # noqa: E402
 from worker.model_files import default_model_path  # noqa: E402
 
 LLAMACPP_VENV = REPO / ".venv-llamacpp"
@@ -84,7 +87,7 @@ def run_both(runs: dict, args) -> dict:
     tokenizer = Tokenizer.from_model_path("default")
     eos_bias = {"logit_bias": {str(t): -100 for t in tokenizer.eos_token_ids}}
     results = {}
-    folio_settings = {"model": {"max_model_len": 2048},
+    folio_settings = {"model": {"max_model_len": 2048, "dtype": args.dtype},
                       "observability": {"log_level": "warning"}}
     servers = (("folio", None), ("llama.cpp", eos_bias))
     for server, extra in servers:
@@ -121,6 +124,8 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="Folio's model.dtype (auto: float32 on CPUs without bf16)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.install_llamacpp:
@@ -140,11 +145,12 @@ def main() -> int:
           f"{results[f'llama.cpp {crowd}']['e2e_ms']['p99']:.0f} ms")
     single = {s: 1000 / results[f"{s} 1 client"]["tpot_ms"]["mean"]
               for s in ("folio", "llama.cpp")}
-    print(f"1 client: decode {single['folio']:.1f} tok/s (Folio, float32 weights) vs "
+    dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
+    print(f"1 client: decode {single['folio']:.1f} tok/s (Folio, {dtype} weights) vs "
           f"{single['llama.cpp']:.1f} tok/s (llama.cpp, 4-bit weights)")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "workload": vars(args), "precision": {"folio": "float32 (dequantised Q4_1)",
+            "workload": vars(args), "precision": {"folio": f"{dtype} (dequantised Q4_1)",
                                                   "llama.cpp": "Q4_1"},
             "results": results, "aggregate_throughput_ratio": ratio,
             "single_stream_decode_tok_s": single}, indent=2) + "\n")
