@@ -4,9 +4,9 @@ in one run: aggregate throughput and latency at fixed concurrency, and single-st
 decode speed.
 
 Precision differs and the report says so: llama.cpp computes on the 4-bit weights,
-Folio on weights dequantised to float32 (or bf16 with ``--dtype bfloat16``). Both are told to ignore EOS (Folio with
-``ignore_eos``, llama.cpp with a -100 logit bias on the end tokens) so both generate
-exactly the requested lengths.
+Folio on weights dequantised to float32 (or bf16 with ``--dtype bfloat16``). Both are
+told to ignore EOS (Folio with ``ignore_eos``, llama.cpp with a -100 logit bias on the
+end tokens) so both generate exactly the requested lengths.
 
 llama-cpp-python is an optional baseline; this script installs it on request into its
 own environment (`--install-llamacpp`, a 5-minute compile), never into Folio's:

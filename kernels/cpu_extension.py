@@ -144,9 +144,7 @@ def is_available() -> bool:
 
     False while ``FOLIO_DISABLE_CPU_KERNELS`` is set, even once loaded: callers pick
     torch then; a direct operator call still runs a loaded kernel."""
-    if _disabled():
-        return False
-    return _ops is not None or ensure() is not None
+    return not _disabled() and ensure() is not None
 
 
 def unavailable_reason() -> str | None:

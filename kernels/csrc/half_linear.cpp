@@ -192,11 +192,7 @@ void dispatch(const at::Tensor& x, const at::Tensor& weight, const float* bias,
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "half_linear",
                                   [&] {
     x_in_chunk_order<W>(x.const_data_ptr<scalar_t>(), M, K, x.stride(0), xbuf.data());
-    if constexpr (std::is_same_v<scalar_t, double>) {
-      run(xbuf.data(), M, K, w, weight.stride(0), N, bias, out.data_ptr<double>());
-    } else {
-      run(xbuf.data(), M, K, w, weight.stride(0), N, bias, out.data_ptr<scalar_t>());
-    }
+    run(xbuf.data(), M, K, w, weight.stride(0), N, bias, out.data_ptr<scalar_t>());
   });
 }
 

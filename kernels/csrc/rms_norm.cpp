@@ -17,7 +17,6 @@
 
 #include <cmath>
 #include <tuple>
-#include <type_traits>
 #include <vector>
 
 namespace folio {

@@ -40,8 +40,8 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 # Rows (tokens) from which widening beats the native bf16 GEMM on a CPU without bf16
 # instructions: measured crossover between 64 and 128 rows for SmolLM2's projections.
 WIDEN_MIN_ROWS = 64
-# Rows below which the native 16-bit kernel runs; from here on, widening (measured even
-# with it at 256 rows over SmolLM2's layers, ahead beyond).
+# Rows below which the native 16-bit kernel runs. Over SmolLM2's layers widening ties
+# with it at 256 rows and wins beyond (the float32 GEMM's blocking), so prefill widens.
 HALF_KERNEL_MAX_ROWS = 256
 NATIVE, KERNEL, WIDEN = "native", "kernel", "widen"
 
@@ -62,9 +62,7 @@ def kernel_takes(weight: torch.Tensor) -> bool:
 def half_path(x: torch.Tensor, weight: torch.Tensor) -> str:
     """How ``x @ weight.T`` runs: NATIVE (plain ``F.linear``), KERNEL (the native 16-bit
     kernel) or WIDEN (both operands widened to float32); see the module docstring."""
-    dtype = x.dtype
-    if dtype not in HALF_DTYPES or weight.dtype != dtype or not lacks_half_arithmetic(
-            dtype, x.device):
+    if weight.dtype != x.dtype or not lacks_half_arithmetic(x.dtype, x.device):
         return NATIVE
     rows = x.shape[0] if x.dim() == 2 else (x.numel() // x.shape[-1] if x.shape[-1] else 0)
     if rows < HALF_KERNEL_MAX_ROWS and kernel_takes(weight):
