@@ -133,8 +133,16 @@ def test_decode_graph_padding_matches_eager(make_tiny_llm, monkeypatch):
         padded = graphs.forward(size)
     assert torch.isfinite(padded).all()
     torch.testing.assert_close(padded[:3], eager, atol=1e-5, rtol=1e-5)
+    # Padding writes nothing: every slot but the 3 real ones is bit-identical. The real
+    # slots are rewritten with K/V from a 4-row GEMM instead of a 3-row one; CPUs whose
+    # GEMM rounds by row count (seen on an AMD EPYC) differ there in the last bit.
+    real = graphs.slot_mapping[:3].tolist()
     for before, after in zip(cache_after_eager, runner.kv_caches):
-        assert torch.equal(before, after)  # real slots rewritten identically, nothing else
+        before, after = before.flatten(1, 2), after.flatten(1, 2)  # [2, slots, heads, dim]
+        others = torch.ones(before.shape[1], dtype=torch.bool)
+        others[real] = False
+        assert torch.equal(before[:, others], after[:, others])
+        torch.testing.assert_close(after[:, real], before[:, real], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
