@@ -63,14 +63,14 @@ def _synthetic_checkpoint(kind: str, folder: Path) -> None:
 def prepare_model(name: str, workdir: Path) -> tuple[str, str]:
     """(model path for Folio, label); builds synthetic checkpoints under ``workdir``."""
     if name == "auto":
-        from worker.model_files import ModelFileError, default_model_path
+        from model_files.paths import ModelFileError, default_model_path
         try:
             default_model_path()
             name = "default"
         except ModelFileError:
             name = "smollm2-random"
     if name == "default":
-        from worker.model_files import default_model_path
+        from model_files.paths import default_model_path
         return str(default_model_path()), "default (SmolLM2-135M-Instruct GGUF)"
     if name in ARCHS:
         folder = workdir / name

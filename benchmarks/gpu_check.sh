@@ -135,7 +135,7 @@ if [ "$QUICK" = 1 ]; then  # a tiny random model in float32: identical greedy to
   section parity 120 "$PY" benchmarks/gpu_bench.py --parity-only --model tiny \
     --dtype float32 --attention-backend torch --parity-prompts 3 --parity-tokens 8 \
     --prompt-len 8 32 --output-len 8 16 --decode-batch 1
-elif "$PY" -c "from worker.model_files import default_model_path; default_model_path()" \
+elif "$PY" -c "from model_files.paths import default_model_path; default_model_path()" \
      2>/dev/null; then
   section parity 150 "${PYTEST[@]}" tests/test_parity_default_model.py
 else

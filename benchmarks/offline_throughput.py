@@ -57,7 +57,7 @@ def run_folio(reqs, args):
 
 def load_hf_model(dtype):
     from transformers import AutoModelForCausalLM
-    from worker.model_files import resolve_model_path
+    from model_files.paths import resolve_model_path
     path = resolve_model_path("default")
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                  dtype=torch.float32)

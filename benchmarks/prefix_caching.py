@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.serve_stack import serving  # noqa: E402
 from folio.bench.serve import LoadSpec, bench_serve, format_report  # noqa: E402
 from folio.bench.workload import make_workload  # noqa: E402
-from services.api.tokenizer import Tokenizer  # noqa: E402
+from text.tokenizer import Tokenizer  # noqa: E402
 
 
 def main() -> int:

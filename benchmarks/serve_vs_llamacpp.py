@@ -33,9 +33,9 @@ sys.path.insert(0, str(REPO))
 from benchmarks.serve_stack import serving  # noqa: E402
 from folio.bench.serve import LoadSpec, bench_serve, format_report  # noqa: E402
 from folio.bench.workload import make_workload  # noqa: E402
-from services.api.tokenizer import Tokenizer  # noqa: E402
+from text.tokenizer import Tokenizer  # noqa: E402
 from worker.device import resolve_dtype  # noqa: E402
-from worker.model_files import default_model_path  # noqa: E402
+from model_files.paths import default_model_path  # noqa: E402
 
 LLAMACPP_VENV = REPO / ".venv-llamacpp"
 LLAMACPP_PACKAGE = "llama-cpp-python[server]==0.3.36"

@@ -35,7 +35,7 @@ from benchmarks.soak_report import health, markdown, summarize_soak  # noqa: E40
 from folio.bench.stats import RequestRecord  # noqa: E402
 from folio.bench.workload import make_workload  # noqa: E402
 from observability.process_stats import command_line, descendants, rss_bytes  # noqa: E402
-from services.api.tokenizer import Tokenizer  # noqa: E402
+from text.tokenizer import Tokenizer  # noqa: E402
 
 INVALID_BODIES = [{"prompt": "x", "max_tokens": 0}, {"prompt": ""},
                   {"prompt": "x", "temperature": -1}, {"model": "no-such-model", "prompt": "x"},

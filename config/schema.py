@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# The engine's own hard bounds; the API's limits may only be stricter.
-from engine_core.sampling_params import MAX_LOGPROBS as ENGINE_MAX_LOGPROBS
-from engine_core.sampling_params import MAX_STOP_STRINGS as ENGINE_MAX_STOP_STRINGS
+# The engine's own hard bounds (SamplingParams enforces them); the API's limits may
+# only be stricter.
+ENGINE_MAX_LOGPROBS = 20
+ENGINE_MAX_STOP_STRINGS = 16
 
 
 def _f(default, doc: str, **kw):

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from config.schema import CacheConfig, SchedulerConfig
+from engine_core.model_facts import ModelFacts
 from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.queue_limits import QueueLimits
 from engine_core.request import Request
@@ -64,6 +65,14 @@ class EngineCore:
         self.eos_token_ids = tuple(eos_token_ids)
         self.vocab_size = vocab_size
 
+    @classmethod
+    def from_model_facts(cls, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                         facts: ModelFacts, executor: ModelExecutor | None) -> "EngineCore":
+        """The engine core for a loaded model (``executor`` None: the caller runs each
+        step's plan elsewhere, between ``begin_step`` and ``end_step``)."""
+        return cls(scheduler_config, cache_config, facts.num_blocks, facts.block_size,
+                   facts.max_model_len, executor, facts.eos_token_ids, facts.vocab_size)
+
     def add_request(self, req_id: str, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None,
@@ -72,10 +81,12 @@ class EngineCore:
 
         n > 1 becomes n samples ``f"{i}_{req_id}"`` (their outputs carry
         ``parent_req_id`` and ``index``); with a seed, sample i uses ``seed + i``.
-        Raises InvalidRequestError naming the offending field.
+        Raises InvalidRequestError naming the offending field. Whether the request fits
+        (and its default ``max_tokens``) is the scheduler's call: every sample shares
+        the prompt and ``max_tokens``, so if the first is refused none was queued.
         """
         prompt = list(prompt_token_ids)
-        params = self.validate_request(prompt, sampling_params, cache_salt, lora_id)
+        params = self._checked_fields(prompt, sampling_params, cache_salt, lora_id)
         self._validate_ids(req_id, params.n)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if params.n == 1:
@@ -96,17 +107,20 @@ class EngineCore:
                          cache_salt: str | None = None, lora_id: int = 0) -> SamplingParams:
         """Check a request without queuing it (ids aside); returns its parameters with
         ``max_tokens`` filled in. Raises InvalidRequestError naming the field."""
+        prompt = list(prompt_token_ids)
+        params = self._checked_fields(prompt, sampling_params, cache_salt, lora_id)
+        max_tokens = self.scheduler.check_request_fits(len(prompt), params.max_tokens)
+        return params if params.max_tokens is not None else params.clone(max_tokens=max_tokens)
+
+    def _checked_fields(self, prompt: list[int], sampling_params: SamplingParams | None,
+                        cache_salt: str | None, lora_id: int) -> SamplingParams:
         params = sampling_params if sampling_params is not None else SamplingParams()
         params.validate()
-        prompt = self._validate_prompt(prompt_token_ids)
+        self._validate_prompt(prompt)
         if not isinstance(lora_id, int) or isinstance(lora_id, bool) or lora_id < 0:
             raise InvalidRequestError("lora_id must be a non-negative integer", "lora_id")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string", "cache_salt")
-        if params.max_tokens is None:
-            self.scheduler.check_request_fits(len(prompt), None)
-            params = params.clone(max_tokens=self.max_model_len - len(prompt))
-        self.scheduler.check_request_fits(len(prompt), params.max_tokens)
         return params
 
     @staticmethod

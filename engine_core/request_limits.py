@@ -23,10 +23,13 @@ class RequestLimits:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
 
-    def check(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """Raise InvalidRequestError naming "prompt" or "max_tokens" if it can't fit.
+    def check(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """The request's ``max_tokens``, with None ("as many as fit") filled in as the
+        room ``max_model_len`` leaves after the prompt; InvalidRequestError naming
+        "prompt" or "max_tokens" if the request can't fit.
 
-        ``max_tokens=None`` checks the prompt alone (with room for one output token).
+        This is the engine side's one fit check and the one place the default is
+        filled in (the API process checks the same bounds before it sends a request).
         """
         if num_prompt_tokens >= self.max_model_len:
             raise InvalidRequestError(
@@ -42,7 +45,7 @@ class RequestLimits:
                 f"prompt ({num_prompt_tokens} tokens) exceeds max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}) with chunked prefill off", "prompt")
         if max_tokens is None:
-            return
+            max_tokens = self.max_model_len - num_prompt_tokens
         total = num_prompt_tokens + max_tokens
         if total > self.max_model_len:
             raise InvalidRequestError(
@@ -52,3 +55,4 @@ class RequestLimits:
             raise InvalidRequestError(
                 f"prompt + max_tokens ({total} tokens) does not fit the KV cache "
                 f"({usable} blocks of {self.block_size} tokens)", "max_tokens")
+        return max_tokens

@@ -4,9 +4,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields, replace
 
-# Bounds shared with the API layer so both reject the same inputs.
-MAX_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
+from config.schema import ENGINE_MAX_LOGPROBS as MAX_LOGPROBS
+from config.schema import ENGINE_MAX_STOP_STRINGS as MAX_STOP_STRINGS
 
 
 class InvalidRequestError(ValueError):

@@ -57,18 +57,19 @@ class Scheduler:
 
     # ---- admission ---------------------------------------------------------------
 
-    def check_request_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
-        """Raise InvalidRequestError if such a request could never be served."""
-        self.limits.check(num_prompt_tokens, max_tokens)
+    def check_request_fits(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """``max_tokens`` filled in; InvalidRequestError if the request could never be
+        served (engine_core/request_limits.py)."""
+        return self.limits.check(num_prompt_tokens, max_tokens)
 
     def add_request(self, request: Request) -> None:
         """Queue a request (or park an n > 1 sample until it can fork)."""
         if request.req_id in self.requests:
             raise InvalidRequestError(f"request id {request.req_id!r} is in use", "req_id")
-        self.check_request_fits(request.num_prompt_tokens, request.sampling_params.max_tokens)
+        max_tokens = self.check_request_fits(request.num_prompt_tokens,
+                                             request.sampling_params.max_tokens)
         if request.sampling_params.max_tokens is None:
-            request.sampling_params = request.sampling_params.clone(
-                max_tokens=self.max_model_len - request.num_prompt_tokens)
+            request.sampling_params = request.sampling_params.clone(max_tokens=max_tokens)
         request.arrival_seq = next(self._arrival_seq)
         self.requests[request.req_id] = request
         if request.parent_req_id is not None:

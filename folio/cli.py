@@ -76,8 +76,14 @@ def cmd_chat(args) -> int:
 
 
 def cmd_config(args) -> int:
-    """Print every key with its resolved value and one-line doc."""
+    """Print every key with its resolved value and one-line doc (``--resolved``: the
+    resolved tree as YAML, secrets redacted, as the services log it at debug level)."""
     config = load_config(args.config, parse_set_overrides(args.overrides))
+    if args.resolved:
+        import yaml
+        from config.loader import config_to_dict
+        print(yaml.safe_dump(config_to_dict(config), sort_keys=False), end="")
+        return 0
     for section in dataclasses.fields(FolioConfig):
         obj = getattr(config, section.name)
         print(f"{section.name}:")
@@ -132,7 +138,7 @@ def _write_json(path, data) -> None:
 def cmd_bench_serve(args) -> int:
     """Load an OpenAI-compatible server and report latency and throughput."""
     from folio.bench.serve import LoadSpec, bench_serve, format_report, plot_sweep
-    from services.api.tokenizer import Tokenizer
+    from text.tokenizer import Tokenizer
     tokenizer = Tokenizer.from_model_path(args.tokenizer)
     requests = _workload(args, tokenizer)
     slo = dict(_slo(item) for item in args.goodput)
@@ -217,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     bt.set_defaults(func=cmd_bench_throughput)
     cfg = sub.add_parser("config", help="print the resolved config with each key's doc")
     _add_config_args(cfg)
+    cfg.add_argument("--resolved", action="store_true",
+                     help="print the resolved tree as YAML (secrets redacted)")
     cfg.set_defaults(func=cmd_config)
     return parser
 

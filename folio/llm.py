@@ -8,14 +8,12 @@ from typing import Any, Iterable, Sequence
 
 from config.loader import config_to_dict, load_config
 from config.schema import FolioConfig
-from engine_core.engine import EngineCore
 from engine_core.sampling_params import InvalidRequestError, SamplingParams
 from observability.logging import configure_logging, get_logger
-from services.api.output_processor import OutputProcessor
-from services.api.request_output import RequestOutput
-from services.api.tokenizer import Tokenizer
-from worker.model_files import resolve_model_path
-from worker.model_runner import ModelRunner
+from text.output_processor import OutputProcessor
+from text.request_output import RequestOutput
+from text.tokenizer import Tokenizer
+from worker.bootstrap import in_process_engine
 
 log = get_logger(__name__)
 
@@ -40,17 +38,9 @@ class LLM:
             self.config = load_config(config, overrides)
         obs = self.config.observability
         configure_logging(obs.log_level, obs.log_format)
-        log.info("config resolved", config=config_to_dict(self.config))
-        model_path = resolve_model_path(self.config.model.path)
-        self.tokenizer = Tokenizer.from_model_path(self.config.model.tokenizer or model_path)
-        self.runner = ModelRunner(self.config.model, self.config.memory, self.config.worker,
-                                  self.config.scheduler)
-        num_blocks = self.runner.initialize_kv_cache()
-        eos = tuple(dict.fromkeys((*self.runner.eos_token_ids, *self.tokenizer.eos_token_ids)))
-        self.engine = EngineCore(
-            self.config.scheduler, self.config.cache, num_blocks,
-            self.config.memory.block_size, self.runner.max_model_len, executor=self.runner,
-            eos_token_ids=eos, vocab_size=self.runner.arch.vocab_size)
+        log.debug("config resolved", config=config_to_dict(self.config))
+        loaded, self.engine = in_process_engine(self.config)
+        self.runner, self.tokenizer = loaded.runner, loaded.tokenizer
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
@@ -121,13 +111,13 @@ class LLM:
             while len(done) < len(req_ids):
                 outputs = self.engine.step()
                 num_out += sum(len(o.new_token_ids) for o in outputs)
-                finished, to_abort = self.processor.process(outputs)
-                if to_abort:
-                    self.engine.abort_request(to_abort)
-                for out in finished:
+                step = self.processor.process(outputs)
+                if step.to_abort:
+                    self.engine.abort_request(step.to_abort)
+                for out in step.finished:
                     done[out.request_id] = out
-                if bar is not None and finished:
-                    bar.update(len(finished))
+                if bar is not None and step.finished:
+                    bar.update(len(step.finished))
                     bar.set_postfix(out_tok_s=f"{num_out / (time.perf_counter() - t0):.1f}")
                 if not outputs and not self.engine.has_unfinished_requests() and \
                         len(done) < len(req_ids):

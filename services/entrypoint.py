@@ -26,6 +26,8 @@ import uvloop
 
 from config.loader import config_to_dict, load_config, parse_set_overrides
 from config.schema import ConfigError, FolioConfig
+from engine_core.model_facts import ModelFacts
+from model_files.paths import served_model_name
 from observability.logging import configure_logging, get_logger
 
 SUPERVISOR_ENV = "FOLIO_SUPERVISOR_PID"
@@ -48,6 +50,16 @@ class StopSignal(asyncio.Event):
 
 Serve = Callable[[FolioConfig, argparse.Namespace, StopSignal], Awaitable[int]]
 log = get_logger(__name__)
+
+
+def log_ready(service: str, config: FolioConfig, facts: ModelFacts, endpoint: object,
+              **extra: object) -> None:
+    """The one start-up line of a service at info: what it serves and where."""
+    log.info(f"{service} ready", model=served_model_name(config.model.path,
+                                                         config.model.served_model_name),
+             dtype=facts.dtype, device=facts.device, num_kv_blocks=facts.num_blocks,
+             num_kv_tokens=facts.num_blocks * facts.block_size,
+             max_model_len=facts.max_model_len, endpoint=str(endpoint), **extra)
 
 
 class ServiceStartError(RuntimeError):
@@ -95,7 +107,7 @@ def run_service(name: str, serve: Serve, parser: argparse.ArgumentParser,
         return 2
     configure_logging(config.observability.log_level, config.observability.log_format)
     structlog.contextvars.bind_contextvars(service=name)
-    log.info("config resolved", config=config_to_dict(config))
+    log.debug("config resolved", config=config_to_dict(config))
 
     async def main() -> int:
         stop = StopSignal()

@@ -198,7 +198,7 @@ class Launcher:
                 shutil.rmtree(self.config.services.socket_dir, ignore_errors=True)
 
     def _model_name(self) -> str:
-        from worker.model_files import served_model_name
+        from model_files.paths import served_model_name
         return served_model_name(self.config.model.path, self.config.model.served_model_name)
 
 

@@ -19,11 +19,12 @@ from typing import Any
 
 import msgpack
 
+from engine_core.model_facts import ModelFacts
 from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler_output import SchedulerOutput
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 class ProtocolError(ValueError):
@@ -107,11 +108,7 @@ class WorkerReady:
     """First frame on a link, worker → engine core and engine core → API: the KV pool
     and the model's limits."""
 
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    vocab_size: int
-    eos_token_ids: list[int]
+    facts: ModelFacts
 
 
 @dataclass(slots=True)

@@ -46,7 +46,7 @@ def tiny_qwen2_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def default_model_path():
-    from worker.model_files import resolve_model_path
+    from model_files.paths import resolve_model_path
     return resolve_model_path("default")
 
 
@@ -68,5 +68,5 @@ def make_tiny_llm(tiny_llama_dir, default_model_path):
 @pytest.fixture(scope="session")
 def smollm_tokenizer():
     """The default model's tokenizer, rebuilt by Folio from the GGUF."""
-    from services.api.tokenizer import Tokenizer
+    from text.tokenizer import Tokenizer
     return Tokenizer.from_model_path("default")

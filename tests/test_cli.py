@@ -35,3 +35,13 @@ def test_config_command_lists_docs(capsys):
     assert main(["config", "--set", "scheduler.max_num_seqs=7"]) == 0
     out = capsys.readouterr().out
     assert "max_num_seqs:" in out and "7" in out and "token budget" in out
+
+
+def test_config_resolved_prints_the_tree_as_yaml_with_secrets_redacted(capsys):
+    import yaml
+    assert main(["config", "--resolved", "--set", "scheduler.max_num_seqs=7",
+                 "--set", "api.api_keys=[sk-secret-key]"]) == 0
+    out = capsys.readouterr().out
+    tree = yaml.safe_load(out)
+    assert tree["scheduler"]["max_num_seqs"] == 7
+    assert tree["api"]["api_keys"] == "<redacted>" and "sk-secret-key" not in out

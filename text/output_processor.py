@@ -1,8 +1,8 @@
-"""Turn engine-core token deltas into text: detokenize, apply stop strings, gather samples.
+"""Many requests' outputs at once: the offline ``LLM``'s side of the output path.
 
-Shared by the offline ``LLM`` and the API service. Stop strings are a front-end
-concern (they need text): when one matches, the processor finishes the sample and
-reports its id so the caller aborts it in the engine core.
+Each request is a :class:`RequestState` (text/request_state.py), the same object the
+API process drives for one HTTP request; this class only routes a step's engine
+outputs to their requests and collects the ones that finished.
 """
 from __future__ import annotations
 
@@ -10,22 +10,17 @@ from dataclasses import dataclass, field
 
 from engine_core.outputs import EngineCoreOutput
 from engine_core.sampling_params import SamplingParams
-from services.api.detokenizer import IncrementalDetokenizer
-from services.api.request_output import CompletionOutput, RequestOutput
-from services.api.tokenizer import Tokenizer
+from text.request_output import RequestOutput
+from text.request_state import RequestState
+from text.tokenizer import Tokenizer
 
 
 @dataclass(slots=True)
-class _SampleState:
-    completion: CompletionOutput
-    detokenizer: IncrementalDetokenizer
-    want_logprobs: bool
+class ProcessedStep:
+    """What one step's outputs did: requests that finished, engine ids to abort."""
 
-
-@dataclass(slots=True)
-class _RequestState:
-    output: RequestOutput
-    samples: dict[int, _SampleState] = field(default_factory=dict)
+    finished: list[RequestOutput] = field(default_factory=list)
+    to_abort: list[str] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -33,82 +28,45 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self._requests: dict[str, _RequestState] = {}
-        self._child_to_parent: dict[str, tuple[str, int]] = {}
+        self._requests: dict[str, RequestState] = {}
+        self._child_to_parent: dict[str, str] = {}
 
     def add_request(self, req_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, child_ids: list[str]) -> None:
         """Register a request; ``child_ids[i]`` is the engine id of sample i."""
-        state = _RequestState(RequestOutput(req_id, prompt, list(prompt_token_ids)))
-        for index, child_id in enumerate(child_ids):
-            detok = IncrementalDetokenizer(
-                self.tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
-            completion = CompletionOutput(index=index, text="", token_ids=[],
-                                          cumulative_logprob=0.0 if params.logprobs is not None
-                                          else None,
-                                          logprobs=[] if params.logprobs is not None else None)
-            state.samples[index] = _SampleState(completion, detok, params.logprobs is not None)
-            state.output.outputs.append(completion)
-            self._child_to_parent[child_id] = (req_id, index)
-        self._requests[req_id] = state
+        self._requests[req_id] = RequestState(self.tokenizer, req_id, prompt,
+                                              prompt_token_ids, params, child_ids)
+        for child_id in child_ids:
+            self._child_to_parent[child_id] = req_id
 
-    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Apply one step's deltas. Returns requests that just finished and the engine
-        ids to abort because a stop string ended them."""
-        finished, to_abort = [], []
+    def process(self, outputs: list[EngineCoreOutput]) -> ProcessedStep:
+        """Apply one step's deltas."""
+        step = ProcessedStep()
         for out in outputs:
-            key = self._child_to_parent.get(out.req_id)
-            if key is None:
-                continue  # already finished by a stop string; the abort is in flight
-            state = self._requests[key[0]]
-            sample = state.samples[key[1]]
-            if not sample.completion.token_ids:
-                state.output.num_cached_tokens = max(state.output.num_cached_tokens,
-                                                     out.num_cached_tokens)
-            stopped_by_string = self._apply(sample, out)
-            if stopped_by_string and out.finish_reason is None:
-                to_abort.append(out.req_id)
-            if sample.completion.finished:
-                del self._child_to_parent[out.req_id]
-                if all(s.completion.finished for s in state.samples.values()):
-                    state.output.finished = True
-                    finished.append(self._requests.pop(key[0]).output)
-        return finished, to_abort
-
-    def _apply(self, sample: _SampleState, out: EngineCoreOutput) -> bool:
-        c = sample.completion
-        c.token_ids.extend(out.new_token_ids)
-        if sample.want_logprobs and out.new_logprobs:
-            c.logprobs.extend(out.new_logprobs)
-            c.cumulative_logprob += sum(lp.logprob for lp in out.new_logprobs)
-        delta = sample.detokenizer.update(out.new_token_ids)
-        if delta.is_stopped:
-            c.text = sample.detokenizer.output_text
-            c.finish_reason, c.stop_reason = "stop", delta.stop_str
-            return True
-        if out.finish_reason is not None:
-            sample.detokenizer.finish()
-            c.text = sample.detokenizer.output_text
-            c.finish_reason = str(out.finish_reason)
-            c.stop_reason = out.stop_reason
-        else:
-            c.text = sample.detokenizer.output_text
-        return False
+            req_id = self._child_to_parent.get(out.req_id)
+            if req_id is None:
+                continue  # its request already finished or was aborted
+            state = self._requests[req_id]
+            delta = state.update(out)
+            if delta is not None and delta.abort_in_engine:
+                step.to_abort.append(out.req_id)
+            if state.finished:
+                self._forget(state)
+                step.finished.append(state.output)
+        return step
 
     def abort(self, req_id: str) -> RequestOutput | None:
         """Forget a request (client went away); returns its partial output."""
-        state = self._requests.pop(req_id, None)
+        state = self._requests.get(req_id)
         if state is None:
             return None
-        for child, (parent, _) in list(self._child_to_parent.items()):
-            if parent == req_id:
-                del self._child_to_parent[child]
-        for s in state.samples.values():
-            if s.completion.finish_reason is None:
-                s.completion.finish_reason = "abort"
-        state.output.finished = True
-        return state.output
+        self._forget(state)
+        return state.abort()
+
+    def _forget(self, state: RequestState) -> None:
+        del self._requests[state.req_id]
+        for child_id in state.child_ids:
+            self._child_to_parent.pop(child_id, None)
 
     @property
     def num_unfinished(self) -> int:

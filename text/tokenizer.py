@@ -13,10 +13,10 @@ from typing import Any, Iterable
 
 from tokenizers import Tokenizer as BackendTokenizer
 
-from services.api.chat_template import ChatTemplate, ChatTemplateError
-from services.api.gguf_tokenizer import build_gguf_tokenizer
-from worker.gguf_file import GGUFFile
-from worker.model_files import ModelFileError, is_gguf_file, resolve_tokenizer_path
+from text.chat_template import ChatTemplate, ChatTemplateError
+from text.gguf_tokenizer import build_gguf_tokenizer
+from model_files.gguf_file import GGUFFile
+from model_files.paths import ModelFileError, is_gguf_file, resolve_tokenizer_path
 
 CHATML_END_OF_TURN = "<|im_end|>"
 

@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from worker.gguf_file import GGUFFile
-from worker.model_files import UnsupportedModelError
+from model_files.gguf_file import GGUFFile
+from model_files.paths import UnsupportedModelError
 from worker.models.architecture import ModelArchitecture, RopeScaling
 
 # GGUF `general.architecture` → ModelArchitecture.architecture. Mistral models convert to

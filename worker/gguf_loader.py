@@ -19,8 +19,8 @@ from gguf.quants import dequantize
 
 from observability.logging import get_logger
 from worker.gguf_architecture import ROPE_FREQS_TENSOR, architecture_from_gguf
-from worker.gguf_file import GGUFFile
-from worker.model_files import UnsupportedModelError
+from model_files.gguf_file import GGUFFile
+from model_files.paths import UnsupportedModelError
 from worker.models.architecture import ModelArchitecture
 from worker.weight_cache import WeightCache
 from worker.weight_names import validate_state_dict

@@ -13,7 +13,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from worker.model_files import ModelFileError, UnsupportedModelError
+from model_files.paths import ModelFileError, UnsupportedModelError
 from worker.models.architecture import ModelArchitecture, RopeScaling
 from worker.weight_names import validate_state_dict
 

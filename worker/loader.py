@@ -14,7 +14,7 @@ import torch
 
 from worker.gguf_loader import load_gguf
 from worker.hf_loader import load_hf_checkpoint
-from worker.model_files import ModelFileError, is_gguf_file, resolve_model_path
+from model_files.paths import ModelFileError, is_gguf_file, resolve_model_path
 from worker.models.architecture import ModelArchitecture
 from worker.weight_cache import WeightCache
 

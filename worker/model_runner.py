@@ -64,9 +64,9 @@ class ModelRunner:
         k_major_weights = (self.device.type == "cpu" and worker_config.k_major_weights
                            and self.model.prepare_for_cpu())
         self.load_seconds = time.perf_counter() - t0
-        log.info("model loaded", path=str(loaded.source_path), dtype=str(self.dtype),
-                 k_major_weights=k_major_weights,
-                 architecture=self.arch.architecture, seconds=round(self.load_seconds, 2))
+        log.debug("model loaded", path=str(loaded.source_path), dtype=str(self.dtype),
+                  k_major_weights=k_major_weights,
+                  architecture=self.arch.architecture, seconds=round(self.load_seconds, 2))
         self.block_size = memory_config.block_size
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
@@ -82,7 +82,7 @@ class ModelRunner:
         extra = {}
         if self.device.type == "cpu" and cpu_extension.load_seconds is not None:
             extra["build_or_load_seconds"] = round(cpu_extension.load_seconds, 2)
-        log.info("attention backend", backend=name, device=str(self.device), **extra)
+        log.debug("attention backend", backend=name, device=str(self.device), **extra)
         return make_attention_backend(name, self.device, self.arch.num_key_value_heads)
 
     @property
@@ -130,9 +130,9 @@ class ModelRunner:
                 f"needed, {spec.bytes_per_block} bytes each); raise {key} or lower "
                 f"model.max_model_len")
         self.kv_caches = allocate_kv_cache(spec, num_blocks, self.device)
-        log.info("kv cache allocated", num_blocks=num_blocks,
-                 num_tokens=num_blocks * self.block_size,
-                 bytes=num_blocks * spec.bytes_per_block, sized_by=key)
+        log.debug("kv cache allocated", num_blocks=num_blocks,
+                  num_tokens=num_blocks * self.block_size,
+                  bytes=num_blocks * spec.bytes_per_block, sized_by=key)
         self._maybe_capture_cuda_graphs()
         return num_blocks
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.model_files import UnsupportedModelError
+from model_files.paths import UnsupportedModelError
 from worker.models.architecture import ModelArchitecture
 
 

@@ -5,6 +5,7 @@ import asyncio
 import time
 from collections import deque
 
+from engine_core.model_facts import ModelFacts
 from engine_core.sampling_params import SamplingParams
 from services.protocol import (AbortRequest, AddRequest, GetMetrics, Health, Metrics,
                                OutputDelta, ProtocolError, QueueState, RequestRejected,
@@ -37,14 +38,14 @@ class EngineClient:
         # replies to Health / GetMetrics come back in order on the one link
         self._waiters: dict[type, deque[asyncio.Future]] = {Health: deque(), Metrics: deque()}
         self._reader: asyncio.Task | None = None
-        self.model_info: WorkerReady | None = None
+        self.model_facts: ModelFacts | None = None  # from the engine core's WorkerReady
         self.alive = False
         self.dead = asyncio.Event()  # set once the link is gone for good
         # The engine core's last QueueState: while full, requests are refused before
         # they are tokenized. Only a hint: the engine core re-checks every add.
         self.queue_state = QueueState(is_full=False)
 
-    async def start(self, timeout: float = 300.0) -> WorkerReady:
+    async def start(self, timeout: float = 300.0) -> ModelFacts:
         """Connect (retrying until ``timeout``) and read the engine's model limits."""
         self._link, self._session = await connect(self.endpoint, "engine-core", timeout)
         messages = self._link.messages()
@@ -52,10 +53,10 @@ class EngineClient:
         if not isinstance(first, WorkerReady):
             await self.close()
             raise ProtocolError(f"the engine core's first frame was {type(first).__name__}")
-        self.model_info = first
+        self.model_facts = first.facts
         self.alive = True
         self._reader = asyncio.get_running_loop().create_task(self._read(messages))
-        return first
+        return first.facts
 
     async def _read(self, messages) -> None:
         async for message in messages:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine_core.sampling_params import InvalidRequestError, SamplingParams
-from services.api.chat_template import ChatTemplateError, validate_messages
+from text.chat_template import ChatTemplateError, validate_messages
 from services.api.openai_protocol import APIError, bad
 
 INT64_MAX = 2 ** 63 - 1

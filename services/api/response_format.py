@@ -1,9 +1,16 @@
-"""OpenAI response and stream-chunk JSON for completions and chat completions."""
+"""OpenAI response and stream-chunk JSON for completions and chat completions.
+
+Full responses are rendered from a finished ``RequestOutput``, stream chunks from one
+``SampleDelta`` (both from text/request_state.py, the output path the offline ``LLM``
+shares).
+"""
 from __future__ import annotations
 
 from typing import Any
 
 from engine_core.outputs import TokenLogprobs
+from text.request_output import RequestOutput
+from text.request_state import SampleDelta
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
@@ -13,17 +20,17 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def _cached(samples) -> int:
-    # sample 0 computed the prompt; later samples fork from it (their "cached" prefix
-    # is the sibling's, not the prefix cache's)
-    return next((s.num_cached_tokens for s in samples if s.index == 0), 0)
+def output_usage(output: RequestOutput) -> dict:
+    """The usage object of a whole request (every sample's tokens)."""
+    return usage(len(output.prompt_token_ids),
+                 sum(len(c.token_ids) for c in output.outputs), output.num_cached_tokens)
 
 
 def _token(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def completion_logprobs(logprobs: list[TokenLogprobs], tokenizer) -> dict | None:
+def completion_logprobs(logprobs: list[TokenLogprobs] | None, tokenizer) -> dict | None:
     """The legacy completions ``logprobs`` object."""
     if not logprobs:
         return None
@@ -37,7 +44,7 @@ def completion_logprobs(logprobs: list[TokenLogprobs], tokenizer) -> dict | None
     }
 
 
-def chat_logprobs(logprobs: list[TokenLogprobs], tokenizer) -> dict | None:
+def chat_logprobs(logprobs: list[TokenLogprobs] | None, tokenizer) -> dict | None:
     """The chat ``logprobs`` object: ``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
     if not logprobs:
         return None
@@ -52,34 +59,33 @@ def chat_logprobs(logprobs: list[TokenLogprobs], tokenizer) -> dict | None:
                         for lp in logprobs]}
 
 
-def completion_response(samples, num_prompt_tokens, tokenizer, *, req_id, model,
+def completion_response(output: RequestOutput, tokenizer, *, req_id, model,
                         created) -> dict:
     return {"id": req_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": s.index, "text": s.text,
-                         "logprobs": completion_logprobs(s.logprobs, tokenizer),
-                         "finish_reason": s.finish_reason} for s in samples],
-            "usage": usage(num_prompt_tokens, sum(len(s.token_ids) for s in samples),
-                           _cached(samples))}
+            "choices": [{"index": c.index, "text": c.text,
+                         "logprobs": completion_logprobs(c.logprobs, tokenizer),
+                         "finish_reason": c.finish_reason} for c in output.outputs],
+            "usage": output_usage(output)}
 
 
-def chat_response(samples, num_prompt_tokens, tokenizer, *, req_id, model, created) -> dict:
+def chat_response(output: RequestOutput, tokenizer, *, req_id, model, created) -> dict:
     return {"id": req_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": s.index,
-                         "message": {"role": "assistant", "content": s.text},
-                         "logprobs": chat_logprobs(s.logprobs, tokenizer),
-                         "finish_reason": s.finish_reason} for s in samples],
-            "usage": usage(num_prompt_tokens, sum(len(s.token_ids) for s in samples),
-                           _cached(samples))}
+            "choices": [{"index": c.index,
+                         "message": {"role": "assistant", "content": c.text},
+                         "logprobs": chat_logprobs(c.logprobs, tokenizer),
+                         "finish_reason": c.finish_reason} for c in output.outputs],
+            "usage": output_usage(output)}
 
 
-def completion_chunk(delta, tokenizer, *, req_id, model, created) -> dict:
+def completion_chunk(delta: SampleDelta, tokenizer, *, req_id, model, created) -> dict:
     return {"id": req_id, "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": delta.index, "text": delta.text,
                          "logprobs": completion_logprobs(delta.logprobs, tokenizer),
                          "finish_reason": delta.finish_reason}]}
 
 
-def chat_chunk(delta, tokenizer, *, req_id, model, created, role: bool = False) -> dict:
+def chat_chunk(delta: SampleDelta, tokenizer, *, req_id, model, created,
+               role: bool = False) -> dict:
     body = {"role": "assistant", "content": ""} if role else {"content": delta.text}
     return {"id": req_id, "object": "chat.completion.chunk", "created": created,
             "model": model,

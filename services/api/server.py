@@ -18,33 +18,33 @@ import socket
 import sys
 
 from config.schema import FolioConfig
+from model_files.paths import resolve_model_path, served_model_name
 from observability.logging import get_logger
 from observability.tracing import Tracing
 from services.api.app import APIServer
 from services.api.auth import APIKeys
 from services.api.engine_client import EngineClient
 from services.api.http_server import serve_api
-from services.api.tokenizer import Tokenizer
 from services.endpoints import api_admin_endpoint, engine_core_endpoint
 from services.entrypoint import (ENGINE_LOSS_GRACE_S, StopSignal, first_completed,
-                                 run_service, service_arguments)
+                                 log_ready, run_service, service_arguments)
 from services.transport import Endpoint
+from text.tokenizer import Tokenizer
 
 log = get_logger(__name__)
 
 
 async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal) -> int:
-    from worker.model_files import resolve_model_path, served_model_name
     services = config.services
     tokenizer = Tokenizer.from_model_path(config.model.tokenizer
                                           or resolve_model_path(config.model.path))
     engine = EngineClient(engine_core_endpoint(services), f"api-{args.index}-{os.getpid()}")
-    info = await engine.start(timeout=services.startup_timeout_s)
+    facts = await engine.start(timeout=services.startup_timeout_s)
     tracing = Tracing(config.observability, "api")
     api_keys = APIKeys.from_sources(config.api.api_keys, os.environ)
     server = APIServer(engine, tokenizer,
                        served_model_name(config.model.path, config.model.served_model_name),
-                       info.max_model_len, tracer=tracing.tracer,
+                       facts.max_model_len, tracer=tracing.tracer,
                        enable_metrics=config.observability.enable_metrics,
                        api=config.api, api_keys=api_keys)
     admin = api_admin_endpoint(services, args.index)
@@ -56,15 +56,16 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
         endpoints.append(Endpoint(host=services.api_host, port=services.api_port))
     runner = await serve_api(server.app(), config.api, endpoints, sockets,
                              shutdown_timeout=1.0, reuse_port=services.num_api_servers > 1)
-    log.info("api ready", index=args.index, model=server.model_name,
-             max_model_len=info.max_model_len, num_api_keys=len(api_keys))
+    public = ("{}:{}".format(*sockets[0].getsockname()[:2]) if sockets
+              else str(endpoints[-1]))
+    log_ready("api", config, facts, public, index=args.index, num_api_keys=len(api_keys))
     stop.mark_serving()
     await first_completed(stop.wait(), engine.dead.wait())
     status = 0
     if stop.is_set():
-        server.begin_drain()
-        if not await server.wait_idle(services.drain_timeout_s):
-            log.warning("drain timed out", num_in_flight=server.num_in_flight)
+        server.admission.begin_drain()
+        if not await server.admission.wait_idle(services.drain_timeout_s):
+            log.warning("drain timed out", num_in_flight=server.admission.num_in_flight)
     else:
         log.error("the engine core went away; exiting")
         await asyncio.sleep(ENGINE_LOSS_GRACE_S)

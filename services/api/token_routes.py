@@ -10,10 +10,10 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from services.api.chat_template import ChatTemplateError
+from text.chat_template import ChatTemplateError
 from services.api.openai_protocol import bad
 from services.api.request_validation import checked_messages, typed
-from services.api.tokenizer import Tokenizer
+from text.tokenizer import Tokenizer
 
 
 class TokenRoutes:

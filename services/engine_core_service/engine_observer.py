@@ -1,5 +1,5 @@
 """Everything the engine core reports about requests and steps: Prometheus metrics,
-OpenTelemetry spans (services/engine_tracer.py) and request log lines, fed from the
+OpenTelemetry spans (engine_tracer.py) and request log lines, fed from the
 step loop at three points (add, step begin, step end) so the loop stays readable."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from engine_core.scheduler_output import SchedulerOutput
 from observability.logging import get_logger
 from observability.metrics import EngineMetrics
 from observability.tracing import Tracing, parse_traceparent
-from services.engine_tracer import EngineTracer
+from services.engine_core_service.engine_tracer import EngineTracer
 from services.protocol import AddRequest
 
 log = get_logger("services.engine_core")

@@ -31,13 +31,14 @@ from config.schema import FolioConfig
 from engine_core.engine import EngineCore
 from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.sampling_params import InvalidRequestError
+from model_files.paths import served_model_name
 from observability.logging import get_logger
 from services.endpoints import engine_core_endpoint, worker_endpoint
-from services.entrypoint import (StopSignal, first_completed, run_service,
+from services.entrypoint import (StopSignal, first_completed, log_ready, run_service,
                                  service_arguments)
 from observability.tracing import Tracing
-from services.api_clients import APIClients, send_to_client
-from services.engine_observer import EngineObserver
+from services.engine_core_service.api_clients import APIClients, send_to_client
+from services.engine_core_service.engine_observer import EngineObserver
 from services.protocol import (AbortRequest, AddRequest, ExecuteStep, GetMetrics, Health,
                                Metrics, OutputDelta, RequestRejected, StepResult,
                                WorkerReady)
@@ -82,20 +83,17 @@ class EngineCoreService:
         ready = await messages.__anext__()
         if not isinstance(ready, WorkerReady):
             raise WorkerFailure(f"worker's first frame was {type(ready).__name__}")
-        self.engine = EngineCore(self.config.scheduler, self.config.cache, ready.num_blocks,
-                                 ready.block_size, ready.max_model_len, executor=None,
-                                 eos_token_ids=ready.eos_token_ids,
-                                 vocab_size=ready.vocab_size)
+        self.engine = EngineCore.from_model_facts(self.config.scheduler, self.config.cache,
+                                                  ready.facts, executor=None)
         self.clients = APIClients(self.engine)
         self._reader = asyncio.get_running_loop().create_task(self._read_worker(messages))
         self.ready = ready
-        from worker.model_files import served_model_name
         self.observer = EngineObserver(
             self.config, served_model_name(self.config.model.path,
                                            self.config.model.served_model_name),
             self.tracing)
-        log.info("worker connected", num_blocks=ready.num_blocks,
-                 max_model_len=ready.max_model_len)
+        log.debug("worker connected", num_blocks=ready.facts.num_blocks,
+                  max_model_len=ready.facts.max_model_len)
         return ready
 
     async def _read_worker(self, messages) -> None:
@@ -145,7 +143,7 @@ class EngineCoreService:
                 "num_requests": self.engine.scheduler.get_num_unfinished_requests(),
                 "num_routed_requests": len(self._owner),
                 "num_free_blocks": pool.num_free_blocks,
-                "num_blocks": self.ready.num_blocks - 1,  # block 0 is the null block
+                "num_blocks": self.ready.facts.num_blocks - 1,  # block 0 is the null block
                 "num_referenced_blocks": sum(b.ref_cnt > 0 for b in pool.blocks),
                 "kv_cache_usage": stats.kv_cache_usage, "num_steps": self.num_steps,
                 "num_preemptions": stats.num_preemptions, "num_clients": len(self.clients.links),
@@ -260,7 +258,8 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
     await core.connect_worker(timeout=config.services.startup_timeout_s)
     endpoint = engine_core_endpoint(config.services)
     runner = await start_site(core.app(), endpoint, shutdown_timeout=0.5)
-    log.info("engine core ready", endpoint=str(endpoint))
+    log_ready("engine-core", config, core.ready.facts, endpoint,
+              policy=config.scheduler.policy, max_num_seqs=config.scheduler.max_num_seqs)
     stop.mark_serving()
     (loop_task, _), done = await first_completed(core.run(), stop.wait())
     status = 0
@@ -278,6 +277,3 @@ def main(argv: list[str] | None = None) -> int:
     return run_service("engine-core", serve,
                        service_arguments("python -m services.engine_core_service"), argv)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,10 +21,11 @@ from config.schema import FolioConfig
 from observability.logging import get_logger
 from observability.tracing import Tracing, context_from_traceparent
 from services.endpoints import worker_endpoint
-from services.entrypoint import (StopSignal, first_completed, run_service,
+from services.entrypoint import (StopSignal, first_completed, log_ready, run_service,
                                  service_arguments)
 from services.protocol import ExecuteStep, Health, Shutdown, StepResult, WorkerReady
 from services.transport import PeerLink, start_site, websocket_route
+from worker.bootstrap import bootstrap_model
 
 log = get_logger(__name__)
 
@@ -33,25 +34,16 @@ class WorkerService:
     """Owns one ModelRunner; serves ExecuteStep, Health and Shutdown."""
 
     def __init__(self, config: FolioConfig, tracing: Tracing | None = None):
-        from services.api.tokenizer import Tokenizer
-        from worker.model_files import resolve_model_path
-        from worker.model_runner import ModelRunner
         # Every torch call runs on this one thread, model load included: OpenMP keeps a
         # thread team per calling thread, and a second team fighting the first one's
         # spinning workers made decode steps ~1.7x slower on 2 cores.
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="folio-step")
         # copy_context: the thread's log lines keep the service's bound fields
-        self.runner = self._pool.submit(contextvars.copy_context().run, ModelRunner,
-                                        config.model, config.memory, config.worker,
-                                        config.scheduler).result()
-        self.num_blocks = self._pool.submit(self.runner.initialize_kv_cache).result()
-        tokenizer_path = config.model.tokenizer or resolve_model_path(config.model.path)
-        tokenizer = Tokenizer.from_model_path(tokenizer_path)
-        self.ready = WorkerReady(
-            num_blocks=self.num_blocks, block_size=config.memory.block_size,
-            max_model_len=self.runner.max_model_len, vocab_size=self.runner.arch.vocab_size,
-            eos_token_ids=list(dict.fromkeys((*self.runner.eos_token_ids,
-                                              *tokenizer.eos_token_ids))))
+        loaded = self._pool.submit(contextvars.copy_context().run, bootstrap_model,
+                                   config).result()
+        self.runner = loaded.runner
+        self.num_blocks = loaded.facts.num_blocks
+        self.ready = WorkerReady(loaded.facts)
         self.tracer = tracing.tracer if tracing is not None else None
         self.shutdown_requested = asyncio.Event()
         self.num_steps = 0
@@ -133,11 +125,10 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
     worker = WorkerService(config, tracing)
     endpoint = worker_endpoint(config.services)
     runner = await start_site(worker.app(), endpoint)
-    log.info("worker ready", endpoint=str(endpoint), num_blocks=worker.num_blocks,
-             block_size=config.memory.block_size,
-             num_kv_tokens=worker.num_blocks * config.memory.block_size,
-             load_seconds=round(worker.runner.load_seconds, 2),
-             ready_seconds=round(time.perf_counter() - t0, 2))
+    log_ready("worker", config, worker.ready.facts, endpoint,
+              attention_backend=worker.runner.attention_backend.name,
+              load_seconds=round(worker.runner.load_seconds, 2),
+              ready_seconds=round(time.perf_counter() - t0, 2))
     stop.mark_serving()
     await first_completed(stop.wait(), worker.shutdown_requested.wait())
     await runner.cleanup()
@@ -149,6 +140,3 @@ def main(argv: list[str] | None = None) -> int:
     return run_service("worker", serve, service_arguments("python -m services.worker_service"),
                        argv)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

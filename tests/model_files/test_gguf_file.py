@@ -6,7 +6,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
 from tests.worker.gguf_factory import TinyModelSpec, write_tiny_gguf
-from worker.gguf_file import GGUFFile, GGUFFormatError
+from model_files.gguf_file import GGUFFile, GGUFFormatError
 
 
 def _write_all_value_types(path):
@@ -90,11 +90,11 @@ def test_truncated_file_is_reported(tmp_path):
         GGUFFile(tmp_path / "data_cut.gguf")
 
 
-def test_default_model_header_reads_fast(default_gguf_path):
+def test_default_model_header_reads_fast(default_model_path):
     import time
 
     started = time.perf_counter()
-    gguf = GGUFFile(default_gguf_path)
+    gguf = GGUFFile(default_model_path)
     elapsed = time.perf_counter() - started
     assert len(gguf.metadata["tokenizer.ggml.tokens"]) == 49152
     assert len(gguf.metadata["tokenizer.ggml.merges"]) == 48900

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import worker.model_files as model_files
+import model_files.paths as model_files
 from worker.loader import load_model, resolve_dtype
-from worker.model_files import (ModelFileError, UnsupportedModelError, is_gguf_file,
+from model_files.paths import (ModelFileError, UnsupportedModelError, is_gguf_file,
                                 resolve_model_path)
 
 

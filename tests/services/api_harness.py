@@ -11,11 +11,12 @@ import contextlib
 from dataclasses import dataclass, field
 
 from config.schema import APIConfig
+from engine_core.model_facts import ModelFacts
 from engine_core.outputs import EngineCoreOutput, FinishReason
 from services.api.app import APIServer
 from services.api.auth import APIKeys
 from services.api.http_server import serve_api
-from services.protocol import Health, QueueState, WorkerReady
+from services.protocol import Health, QueueState
 from services.transport import Endpoint
 
 
@@ -23,12 +24,15 @@ from services.transport import Endpoint
 class FakeEngine:
     """Stands in for EngineClient; ``added`` holds (req_id, ids, params, cache_salt)."""
 
-    model_info: WorkerReady = field(default_factory=lambda: WorkerReady(
+    model_facts: ModelFacts = field(default_factory=lambda: ModelFacts(
         num_blocks=64, block_size=16, max_model_len=128, vocab_size=49152,
-        eos_token_ids=[2]))
+        eos_token_ids=[2], dtype="float32", device="cpu"))
     added: list = field(default_factory=list)
     alive: bool = True
     fail_with: Exception | None = None  # raised by add(): a bug behind the API
+    # replaces the default answer: (req_id, params) → the outputs to deliver, in order
+    script: object | None = None
+    aborted: list = field(default_factory=list)
     queue_state: QueueState = field(default_factory=lambda: QueueState(is_full=False))
 
     def __post_init__(self):
@@ -39,6 +43,10 @@ class FakeEngine:
             raise self.fail_with
         self.added.append((req_id, list(ids), params, cache_salt))
         queue: asyncio.Queue = asyncio.Queue()
+        if self.script is not None:
+            for out in self.script(req_id, params):
+                queue.put_nowait(out)
+            return queue
         num = params.max_tokens or 1
         for i in range(params.n):
             queue.put_nowait(EngineCoreOutput(
@@ -48,7 +56,7 @@ class FakeEngine:
         return queue
 
     async def abort(self, req_ids):
-        pass
+        self.aborted.extend(req_ids)
 
     def forget(self, req_id):
         pass
@@ -62,10 +70,11 @@ class FakeEngine:
 
 @contextlib.asynccontextmanager
 async def api_server(tokenizer, api: APIConfig | None = None, keys: tuple[str, ...] = (),
-                     max_model_len: int = 128, tracer=None, enable_metrics: bool = True):
+                     max_model_len: int = 128, tracer=None, enable_metrics: bool = True,
+                     engine: FakeEngine | None = None):
     """Yield (base URL, FakeEngine) of an API served on 127.0.0.1 with ``api``'s limits."""
     api = api or APIConfig()
-    engine = FakeEngine()
+    engine = engine or FakeEngine()
     server = APIServer(engine, tokenizer, "folio-tiny", max_model_len, tracer=tracer,
                        enable_metrics=enable_metrics, api=api, api_keys=APIKeys(keys))
     runner = await serve_api(server.app(), api, [Endpoint(host="127.0.0.1", port=0)])

@@ -2,9 +2,9 @@
 import asyncio
 
 from config import load_config
-from services.engine_core_service import EngineCoreService
+from services.engine_core_service.service import EngineCoreService
 from services.transport import Endpoint, start_site
-from services.worker_service import WorkerService
+from services.worker_service.service import WorkerService
 
 
 def tiny_config(tiny_llama_dir, default_model_path):

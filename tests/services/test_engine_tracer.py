@@ -8,7 +8,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from engine_core.outputs import ModelRunnerOutput
 from engine_core.sampling_params import SamplingParams
 from observability.tracing import traceparent_of
-from services.engine_tracer import EngineTracer
+from services.engine_core_service.engine_tracer import EngineTracer
 
 MAX_TOKENS = 12
 

@@ -2,6 +2,7 @@
 import msgpack
 import pytest
 
+from engine_core.model_facts import ModelFacts
 from engine_core.outputs import EngineCoreOutput, FinishReason, ModelRunnerOutput, TokenLogprobs
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler_output import (BlockCopy, CachedRequestData, NewRequestData,
@@ -32,8 +33,9 @@ MESSAGES = [
     StepResult(5, ModelRunnerOutput(), error="worker failed"),
     Health(True, {"num_running": 3.0, "kv_cache_usage": 0.25}),
     RequestRejected("r9", "max_tokens must be at least 1", "max_tokens"),
-    WorkerReady(num_blocks=100, block_size=16, max_model_len=2048, vocab_size=49152,
-                eos_token_ids=[2]),
+    WorkerReady(ModelFacts(num_blocks=100, block_size=16, max_model_len=2048,
+                           vocab_size=49152, eos_token_ids=[2], dtype="bfloat16",
+                           device="cpu")),
     Shutdown("SIGTERM"),
 ]
 

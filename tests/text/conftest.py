@@ -16,7 +16,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
 
-from worker.model_files import default_model_path  # noqa: E402
+from model_files.paths import default_model_path  # noqa: E402
 
 _COMPLETE_MARKER = "folio-complete"
 

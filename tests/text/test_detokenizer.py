@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.api.detokenizer import DetokenizedDelta, IncrementalDetokenizer
+from text.detokenizer import DetokenizedDelta, IncrementalDetokenizer
 
 TEXTS = [
     "Hello world! This is a plain sentence.",

@@ -8,9 +8,9 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import pre_tokenizers
 
-from services.api.chat_template import ChatTemplateError
-from services.api.gguf_tokenizer import GGUFTokenizerError, build_gguf_tokenizer
-from services.api.tokenizer import Tokenizer
+from text.chat_template import ChatTemplateError
+from text.gguf_tokenizer import GGUFTokenizerError, build_gguf_tokenizer
+from text.tokenizer import Tokenizer
 from tests.worker.gguf_factory import TinyModelSpec, write_tiny_gguf
 
 PROSE = [
@@ -238,6 +238,6 @@ def test_missing_or_broken_templates():
 
 
 def test_tokenizer_module_imports_neither_torch_nor_transformers():
-    code = ("import sys, services.api.tokenizer, services.api.detokenizer;"
+    code = ("import sys, text.tokenizer, text.detokenizer;"
             "bad = {'torch', 'transformers', 'aiohttp'} & set(sys.modules); assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from worker.loader import LoadedModel, load_model  # noqa: E402
-from worker.model_files import default_model_path  # noqa: E402
+from model_files.paths import default_model_path  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

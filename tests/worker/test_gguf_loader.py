@@ -13,10 +13,10 @@ from tests.worker.conftest import load_transformers_gguf_state_dict, tensor_dige
 from tests.worker.gguf_factory import TinyModelSpec, llama_cpp_permute, write_tiny_gguf
 from worker.gguf_architecture import (architecture_from_gguf, llama3_rope_factors,
                                       llama3_scaling_from_factors)
-from worker.gguf_file import GGUFFile
+from model_files.gguf_file import GGUFFile
 from worker.gguf_loader import dequantize_tensor, hf_tensor_name, unpermute_rope_rows
 from worker.loader import load_model
-from worker.model_files import UnsupportedModelError
+from model_files.paths import UnsupportedModelError
 from worker.models.architecture import RopeScaling
 
 Q = GGMLQuantizationType

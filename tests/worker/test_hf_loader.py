@@ -10,7 +10,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
 
 from worker.hf_loader import architecture_from_hf_config
 from worker.loader import load_model
-from worker.model_files import ModelFileError, UnsupportedModelError
+from model_files.paths import ModelFileError, UnsupportedModelError
 from worker.models.architecture import RopeScaling
 
 TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -1,0 +1,186 @@
+"""One completion or chat request, from its validated body to its last byte.
+
+    Generation.respond(request)
+      tokenize (chat template) ─▶ fit check ─▶ engine.add ─▶ deltas() ─┬─ JSON: collect,
+                                                                       │  render output
+                                                                       └─ SSE: a chunk
+                                                                          per delta
+Each engine output goes through the request's ``RequestState`` (text/request_state.py),
+the same code the offline ``LLM`` runs: incremental text, stop strings, logprobs and
+``n`` > 1. A sample that a stop string ends is aborted in the engine; when the client
+goes away (or anything fails) every live sample is aborted, so its KV blocks are freed.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import structlog
+from aiohttp import web
+
+from observability.logging import get_logger
+from services.api.engine_client import EngineDead, QueueFull
+from services.api.openai_protocol import bad, unavailable
+from services.api.request_trace import RequestTrace
+from services.api.request_validation import CheckedRequest, RequestValidator
+from services.api.response_format import (chat_chunk, chat_response, completion_chunk,
+                                          completion_response, output_usage)
+from services.protocol import RequestRejected
+from text.request_state import RequestState, SampleDelta
+from text.tokenizer import Tokenizer
+
+log = get_logger("services.api")
+
+
+@dataclass(slots=True)
+class Generation:
+    """Everything one request needs while it is served (see the module docstring)."""
+
+    engine: object  # EngineClient
+    tokenizer: Tokenizer
+    validator: RequestValidator
+    model_name: str
+    checked: CheckedRequest
+    chat: bool
+    trace: RequestTrace
+    req_id: str
+    cache_salt: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+    state: RequestState | None = None
+
+    @classmethod
+    def start(cls, request: web.Request, checked: CheckedRequest, chat: bool,
+              **shared) -> "Generation":
+        """A new request's object, with its id and trace (``shared``: the server's
+        engine, tokenizer, validator, model_name and tracer)."""
+        operation, prefix = ("chat", "chatcmpl") if chat else ("text_completion", "cmpl")
+        req_id = f"{prefix}-{uuid.uuid4().hex}"
+        tracer = shared.pop("tracer")
+        trace = RequestTrace(tracer, operation, shared["model_name"], req_id,
+                             request.headers.get("traceparent"), checked.params)
+        return cls(checked=checked, chat=chat, trace=trace, req_id=req_id, **shared)
+
+    @property
+    def operation(self) -> str:
+        return "chat" if self.chat else "text_completion"
+
+    async def respond(self, request: web.Request,
+                      tokenize: Callable[[], list[int]]) -> web.StreamResponse:
+        """Tokenize, run and answer the request under its trace and log context."""
+        error = None
+        with structlog.contextvars.bound_contextvars(request_id=self.req_id,
+                                                     trace_id=self.trace.trace_id):
+            try:
+                params = self.checked.params
+                with self.trace.tokenize():
+                    ids = self.validator.check_prompt_ids(tokenize(), params,
+                                                          self.checked.max_tokens_param)
+                log.info("request received", operation=self.operation,
+                         num_prompt_tokens=len(ids), max_tokens=params.max_tokens,
+                         n=params.n, stream=self.checked.stream)
+                self.trace.start_respond(len(ids), self.checked.stream)
+                if self.checked.stream:
+                    return await self._stream(request, ids)
+                return web.json_response(await self._collect(request, ids))
+            except BaseException as e:
+                error = e
+                raise
+            finally:
+                self.trace.finish(error)
+                log.info("request finished", finish_reasons=self.trace.finish_reasons,
+                         num_output_tokens=self.trace.num_output_tokens,
+                         error=type(error).__name__ if error is not None else None)
+
+    def _format(self) -> dict:
+        return dict(req_id=self.req_id, model=self.model_name, created=self.created)
+
+    async def deltas(self, prompt_token_ids: list[int]) -> AsyncIterator[SampleDelta]:
+        """Send the request to the engine; yield each sample's deltas until all ended."""
+        params = self.checked.params
+        queue = await self.engine.add(self.req_id, prompt_token_ids, params,
+                                      self.trace.traceparent, cache_salt=self.cache_salt)
+        child_ids = ([self.req_id] if params.n == 1
+                     else [f"{i}_{self.req_id}" for i in range(params.n)])
+        self.state = state = RequestState(self.tokenizer, self.req_id, None,
+                                          prompt_token_ids, params, child_ids)
+        try:
+            while not state.finished:
+                item = await queue.get()
+                if item is None:
+                    raise EngineDead("the engine core went away")
+                if isinstance(item, RequestRejected):
+                    if item.code == "queue_full":
+                        raise QueueFull(item.message)
+                    raise bad(item.message, item.param)
+                self.trace.on_tokens(len(item.new_token_ids))
+                t0 = time.perf_counter()
+                delta = state.update(item)
+                self.trace.detokenize_seconds += time.perf_counter() - t0
+                if delta is None:
+                    continue
+                if delta.finish_reason is not None:
+                    self.trace.finish_reasons.append(delta.finish_reason)
+                if delta.abort_in_engine:  # a stop string ended it
+                    await self.engine.abort([item.req_id])
+                yield delta
+        finally:
+            self.engine.forget(self.req_id)
+            live = state.live_child_ids
+            if live:  # client went away or an error: free the engine's blocks
+                await self.engine.abort(live)
+
+    async def _collect(self, request: web.Request, ids: list[int]) -> dict:
+        # aclosing: leaving early (client gone, handler cancelled) aborts at once
+        async with contextlib.aclosing(self.deltas(ids)) as deltas:
+            async for _ in deltas:
+                if request.transport is None or request.transport.is_closing():
+                    break  # the client hung up
+        render = chat_response if self.chat else completion_response
+        return render(self.state.output, self.tokenizer, **self._format())
+
+    async def _stream(self, request: web.Request, ids: list[int]) -> web.StreamResponse:
+        gen = self.deltas(ids)
+        try:
+            return await self._write_stream(request, gen)
+        finally:  # also on cancellation (client gone): aborts what is still live
+            await gen.aclose()
+
+    async def _write_stream(self, request: web.Request,
+                            gen: AsyncIterator[SampleDelta]) -> web.StreamResponse:
+        first_delta = await gen.__anext__()  # rejections become HTTP errors, not SSE
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        fmt, chunk = self._format(), chat_chunk if self.chat else completion_chunk
+        try:
+            if self.chat:
+                for i in range(self.checked.params.n):
+                    await _sse(resp, chat_chunk(SampleDelta(i, "", []), self.tokenizer,
+                                                role=True, **fmt))
+            delta = first_delta
+            while True:
+                if delta.text or delta.finish_reason or delta.token_ids:
+                    await _sse(resp, chunk(delta, self.tokenizer, **fmt))
+                delta = await gen.__anext__()
+        except StopAsyncIteration:
+            pass
+        except ConnectionResetError:
+            return resp
+        except EngineDead as e:  # the stream ends with an error event, not [DONE]
+            await _sse(resp, unavailable(str(e)).body())
+            return resp
+        if self.checked.include_usage:
+            await _sse(resp, {"id": self.req_id, "object": "chat.completion.chunk"
+                              if self.chat else "text_completion", "created": self.created,
+                              "model": self.model_name, "choices": [],
+                              "usage": output_usage(self.state.output)})
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+
+async def _sse(resp: web.StreamResponse, payload: dict) -> None:
+    await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")

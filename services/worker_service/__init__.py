@@ -1,0 +1,2 @@
+"""The worker process: a ModelRunner behind a WebSocket
+(``python -m services.worker_service``). See service.py."""

@@ -1,0 +1,51 @@
+"""One start-up sequence for every process that runs the model.
+
+The offline ``LLM`` and the worker service both load a model the same way: resolve
+``model.path``, load the weights into a ``ModelRunner``, size and allocate the KV pool,
+build the tokenizer and merge the model's end tokens with the tokenizer's. The engine
+core is then built from the resulting :class:`ModelFacts`, in-process
+(:func:`in_process_engine`) or, in the services, from the worker's ``WorkerReady``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from config.schema import FolioConfig
+from engine_core.engine import EngineCore
+from engine_core.model_facts import ModelFacts
+from model_files.paths import resolve_model_path
+from text.tokenizer import Tokenizer
+from worker.model_runner import ModelRunner
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready to run: its runner (weights + KV cache), tokenizer and facts."""
+
+    runner: ModelRunner
+    tokenizer: Tokenizer
+    facts: ModelFacts
+
+
+def bootstrap_model(config: FolioConfig) -> LoadedModel:
+    """Load the model of ``config`` and allocate its KV pool (call on the thread that
+    will run the model: torch keeps one OpenMP team per calling thread)."""
+    runner = ModelRunner(config.model, config.memory, config.worker, config.scheduler)
+    num_blocks = runner.initialize_kv_cache()
+    tokenizer = Tokenizer.from_model_path(config.model.tokenizer
+                                          or resolve_model_path(config.model.path))
+    eos_token_ids = list(dict.fromkeys((*runner.eos_token_ids, *tokenizer.eos_token_ids)))
+    facts = ModelFacts(num_blocks=num_blocks, block_size=config.memory.block_size,
+                       max_model_len=runner.max_model_len,
+                       vocab_size=runner.arch.vocab_size, eos_token_ids=eos_token_ids,
+                       dtype=str(runner.dtype).removeprefix("torch."),
+                       device=str(runner.device))
+    return LoadedModel(runner, tokenizer, facts)
+
+
+def in_process_engine(config: FolioConfig) -> tuple[LoadedModel, EngineCore]:
+    """The model and an EngineCore that runs it directly (no sockets): the offline path."""
+    loaded = bootstrap_model(config)
+    engine = EngineCore.from_model_facts(config.scheduler, config.cache, loaded.facts,
+                                         executor=loaded.runner)
+    return loaded, engine
