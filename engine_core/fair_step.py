@@ -14,8 +14,8 @@ As under fcfs, a step that preempted for KV room admits nobody. Caps are soft: a
 withdrawn by a later preemption returns its tokens to the budget, not to the cap, and
 step 5 hands them out. Progress: decodes are never lost (a preempted request keeps its
 outputs); the oldest running request is never a victim while another runs
-(preemption_victims.py) and goes first in its pass; the split's order rotates, so
-every tenant with prefill work is first, and gets at least one token, every few steps.
+(preemption_victims.py) and goes first in its pass; the split's order rotates between
+steps, so the rounding remainder (the one token a tiny cap may need) moves around.
 """
 from __future__ import annotations
 
@@ -142,9 +142,11 @@ class FairPlanner:
         blocked: set[Tenant] = set()  # tenants whose head cannot start this step
         while s.waiting:
             if len(s.running) >= s.config.max_num_seqs or plan.token_budget == 0:
-                request = (self._make_room(plan, shares, admitted, blocked)
-                           if caps is not None else None)
-                if request is None or not s.admit(request, plan):
+                if caps is None:
+                    return
+                request, need = self._make_room(plan, shares, admitted, blocked)
+                if request is None or not s.admit(
+                        request, plan, max(need, caps.get(request.tenant, 0))):
                     return  # nothing to gain, or the room made did not suffice
             else:
                 request = self._next_admission(shares, caps, blocked)
@@ -172,26 +174,28 @@ class FairPlanner:
         return waiting.peek_among(exclude=set(tenants) - set(eligible))
 
     def _make_room(self, plan: StepPlan, shares: TenantShares, admitted: set[Request],
-                   blocked: set[Tenant]) -> Request | None:
+                   blocked: set[Tenant]) -> tuple[Request | None, int]:
         """Preempt for share: when a waiting tenant is under its share of the slots,
         preempt one request of the tenant most over its share (preemption_victims.py)
-        and return the under-share tenant's head to admit in its place; else None."""
+        and return the under-share tenant's head to admit in its place, with the
+        fewest tokens it must be granted; (None, 0) when there is no such pair."""
         s = self.scheduler
         request = shares.most_under(s.waiting.head(t) for t in s.waiting.tenants()
                                     if t not in blocked)
         if request is None:
-            return None
+            return None, 0
         remaining = request.num_tokens - request.num_computed_tokens
         is_whole = (not s.config.enable_chunked_prefill
                     and remaining <= s.config.max_num_batched_tokens)
         need = remaining if is_whole else 1  # tokens the newcomer must be granted
 
         def frees_enough(victim: Request) -> bool:
-            return plan.token_budget + plan.num_scheduled_tokens.get(victim.req_id, 0) >= need
+            freed = plan.num_scheduled_tokens.get(victim.req_id, 0)
+            return plan.token_budget + freed >= need
 
         victim = pick_share_victim(s.running, shares, admitted, frees_enough)
         if victim is None:
-            return None
+            return None, 0
         s.preempt(victim, plan)
         shares.on_preempt(victim.tenant)
-        return request
+        return request, need

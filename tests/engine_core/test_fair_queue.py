@@ -124,16 +124,15 @@ def test_tiny_weight_costs_no_idle_rounds():
         return 1e-9 if tenant == "slow" else 1.0
 
     queue = FairQueue(1, weight_of=weight_of)
-    slow, fast = req("slow"), req("fast")
-    queue.add(slow)
-    queue.add(fast)
+    for _ in range(2):
+        queue.add(req("slow"))
+        queue.add(req("fast"))
     queue.take(queue.peek(), 10**6)  # slow's turn: it now owes 10**6 tokens
     queue.take(queue.peek(), 10**6)  # fast's too
+    assert queue.deficit("slow") < -999_999 and queue.deficit("fast") < -999_998
     # fast needs 10**6 quanta of 1 token; slow would need 10**15 of 1e-9
-    for _ in range(3):
-        queue.add(req("fast"))
-        queue.add(req("slow"))
     assert queue.peek().tenant == "fast"
+    assert queue.deficit("fast") > 0
     queue.check_invariants()
 
 

@@ -52,7 +52,8 @@ def test_flood_from_one_tenant_does_not_delay_another(policy, num_warmup_steps):
         assert step == 1 and so.num_scheduled_tokens["b"] == 16
         assert so.preempted_req_ids == (["a7"] if num_warmup_steps else [])
     else:
-        assert "b" not in so.num_scheduled_tokens and sched.requests["b"].num_computed_tokens == 0
+        assert "b" not in so.num_scheduled_tokens
+        assert sched.requests["b"].num_computed_tokens == 0
 
 
 @pytest.mark.parametrize("weight_b,victims", [(1.0, ["a3", "a2"]),
@@ -135,6 +136,41 @@ def test_kv_victim_is_the_latest_arrival_of_the_tenant_most_over_share():
     so, _ = run_step(sched, executor)
     assert so.preempted_req_ids == ["a2", "a1"]
     assert so.num_scheduled_tokens == {"a0": 1, "b0": 1}
+
+
+def test_kv_victim_is_never_the_oldest_running_request():
+    """a0 (A, the oldest) runs beside B's b0 and b1, and B weighs 10: A, with 1 running
+    against a share of 3/11, is the most over its share. Preempting the oldest running
+    request would give up fcfs's progress guarantee, so B's latest, b1, goes instead."""
+    sched = make_scheduler(num_blocks=5, max_num_seqs=3, max_num_batched_tokens=64,
+                           policy="fair")
+    executor = FakeExecutor(4)
+    sched.add_request(make_request("a0", prompt(0, 4), max_tokens=8, tenant="A"))
+    for i in range(2):
+        sched.add_request(make_request(f"b{i}", prompt(1 + i, 4), max_tokens=8,
+                                       tenant="B", tenant_weight=10.0))
+    run_step(sched, executor)
+    so, _ = run_step(sched, executor)
+    assert so.preempted_req_ids == ["b1"]
+    assert so.num_scheduled_tokens == {"a0": 1, "b0": 1}
+
+
+def test_a_free_slot_goes_to_a_tenant_under_its_share_first():
+    """A holds 3 of 4 slots (a0 just finished) and it is still A's DRR turn, but B is
+    under its share (0 < 2): the free slot goes to b0, with no preemption. Handing it
+    to a4 would put A at 4 and force a preemption for b0 at once."""
+    sched = make_scheduler(num_blocks=128, max_num_seqs=4, max_num_batched_tokens=64,
+                           policy="fair")
+    executor = FakeExecutor(4)
+    for i in range(5):
+        sched.add_request(make_request(f"a{i}", prompt(i, 8), max_tokens=1 if i == 0 else 30,
+                                       tenant="A"))
+    run_step(sched, executor)  # a0-a3 start; a0 samples its only token and finishes
+    assert tenants_running(sched) == {"A": 3}
+    sched.add_request(make_request("b0", prompt(9, 4), tenant="B"))
+    so, _ = run_step(sched, executor)
+    assert [n.req_id for n in so.scheduled_new_reqs] == ["b0"]
+    assert so.preempted_req_ids == [] and [r.req_id for r in sched.waiting] == ["a4"]
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3])
