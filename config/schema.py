@@ -77,7 +77,7 @@ class MemoryConfig:
                "must be at least 2 (block 0 is the null block)")
 
 
-POLICIES = ("fcfs", "priority")
+POLICIES = ("fcfs", "priority", "fair")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +87,9 @@ class SchedulerConfig:
     max_num_seqs: int = _f(128, "most requests running in one step")
     max_num_batched_tokens: int = _f(2048, "token budget of one step (prefill chunks + decodes)")
     enable_chunked_prefill: bool = _f(True, "split long prompts across steps under the budget")
-    policy: str = _f("fcfs", "fcfs (arrival order) or priority (lower priority value first)")
+    policy: str = _f("fcfs", "fcfs (arrival order), priority (lower priority value first) "
+                     "or fair (tenants share slots and tokens by weight: deficit round "
+                     "robin, weights per request from api.tenant_weights)")
     max_num_queued_requests: int = _f(1024, "served requests that may wait beyond the "
                                       "max_num_seqs running ones; past it new ones get 503 "
                                       "+ Retry-After (the engine core enforces it for all "

@@ -1,6 +1,7 @@
 """EngineCore: validates requests, expands n > 1, and runs schedule -> execute -> update."""
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ from engine_core.request import Request
 from engine_core.sampling_params import InvalidRequestError, SamplingParams
 from engine_core.scheduler import Scheduler
 from engine_core.scheduler_output import SchedulerOutput
+
+MAX_TENANT_CHARS = 128  # tenants are API-key names, not payloads
 
 
 class ModelExecutor(Protocol):
@@ -39,6 +42,17 @@ class EngineCoreStats:
     kv_cache_usage: float  # fraction of usable blocks owned by requests
     prefix_cache_queries: int  # tokens looked up, since start
     prefix_cache_hits: int  # of those, tokens found cached
+
+
+def _validate_tenant(tenant: object, tenant_weight: object) -> None:
+    if tenant is not None and (not isinstance(tenant, str)
+                               or not 0 < len(tenant) <= MAX_TENANT_CHARS):
+        raise InvalidRequestError(f"tenant must be null or a non-empty string of at most "
+                                  f"{MAX_TENANT_CHARS} characters", "tenant")
+    if (isinstance(tenant_weight, bool) or not isinstance(tenant_weight, (int, float))
+            or not math.isfinite(tenant_weight) or tenant_weight <= 0):
+        raise InvalidRequestError(f"tenant_weight must be a finite number > 0, got "
+                                  f"{tenant_weight!r}", "tenant_weight")
 
 
 def _has_work(so: SchedulerOutput) -> bool:
@@ -76,17 +90,21 @@ class EngineCore:
     def add_request(self, req_id: str, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    lora_id: int = 0) -> list[str]:
+                    lora_id: int = 0, *, tenant: str | None = None,
+                    tenant_weight: float = 1.0) -> list[str]:
         """Validate and queue a request; returns the engine ids of its samples.
 
         n > 1 becomes n samples ``f"{i}_{req_id}"`` (their outputs carry
         ``parent_req_id`` and ``index``); with a seed, sample i uses ``seed + i``.
+        Every sample counts against ``tenant`` (None: the anonymous tenant) with
+        ``tenant_weight`` under the ``fair`` policy.
         Raises InvalidRequestError naming the offending field. Whether the request fits
         (and its default ``max_tokens``) is the scheduler's call: every sample shares
         the prompt and ``max_tokens``, so if the first is refused none was queued.
         """
         prompt = list(prompt_token_ids)
-        params = self._checked_fields(prompt, sampling_params, cache_salt, lora_id)
+        params = self._checked_fields(prompt, sampling_params, cache_salt, lora_id,
+                                      tenant, tenant_weight)
         self._validate_ids(req_id, params.n)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if params.n == 1:
@@ -99,24 +117,29 @@ class EngineCore:
                 req_id=sample_id, prompt_token_ids=prompt, sampling_params=sample_params,
                 arrival_time=arrival, eos_token_ids=self.eos_token_ids,
                 cache_salt=cache_salt, lora_id=lora_id, parent_req_id=parent_id,
-                index=index))
+                index=index, tenant=tenant, tenant_weight=float(tenant_weight)))
         return [s[0] for s in samples]
 
     def validate_request(self, prompt_token_ids: Sequence[int],
                          sampling_params: SamplingParams | None = None,
-                         cache_salt: str | None = None, lora_id: int = 0) -> SamplingParams:
+                         cache_salt: str | None = None, lora_id: int = 0, *,
+                         tenant: str | None = None,
+                         tenant_weight: float = 1.0) -> SamplingParams:
         """Check a request without queuing it (ids aside); returns its parameters with
         ``max_tokens`` filled in. Raises InvalidRequestError naming the field."""
         prompt = list(prompt_token_ids)
-        params = self._checked_fields(prompt, sampling_params, cache_salt, lora_id)
+        params = self._checked_fields(prompt, sampling_params, cache_salt, lora_id,
+                                      tenant, tenant_weight)
         max_tokens = self.scheduler.check_request_fits(len(prompt), params.max_tokens)
         return params if params.max_tokens is not None else params.clone(max_tokens=max_tokens)
 
     def _checked_fields(self, prompt: list[int], sampling_params: SamplingParams | None,
-                        cache_salt: str | None, lora_id: int) -> SamplingParams:
+                        cache_salt: str | None, lora_id: int, tenant: str | None,
+                        tenant_weight: float) -> SamplingParams:
         params = sampling_params if sampling_params is not None else SamplingParams()
         params.validate()
         self._validate_prompt(prompt)
+        _validate_tenant(tenant, tenant_weight)
         if not isinstance(lora_id, int) or isinstance(lora_id, bool) or lora_id < 0:
             raise InvalidRequestError("lora_id must be a non-negative integer", "lora_id")
         if cache_salt is not None and not isinstance(cache_salt, str):

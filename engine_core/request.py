@@ -8,6 +8,11 @@ from engine_core.outputs import FinishReason
 from engine_core.sampling_params import SamplingParams
 
 
+# Whose quota a request counts against under the fair policy; None is the anonymous
+# tenant, a tenant like any other.
+Tenant = str | None
+
+
 class RequestStatus(enum.Enum):
     """Where a request is in its life.
 
@@ -52,6 +57,10 @@ class Request:
     tokens this request did not compute itself (prefix-cache hits, or the prefix a
     forked sample shares with its sibling).
 
+    ``tenant`` names whose quota the request counts against under the ``fair`` policy
+    (None is the anonymous tenant, a tenant like any other); ``tenant_weight`` is that
+    tenant's weight, as the API resolved it when the request arrived.
+
     Compared by identity (``eq=False``): two requests are never "equal".
     """
 
@@ -64,6 +73,8 @@ class Request:
     lora_id: int = 0
     parent_req_id: str | None = None
     index: int = 0
+    tenant: Tenant = None
+    tenant_weight: float = 1.0
     priority: int = field(init=False)
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
     output_token_ids: list[int] = field(default_factory=list, init=False)

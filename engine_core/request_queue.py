@@ -65,6 +65,12 @@ class RequestQueue:
         self.num_tokens -= request.num_tokens
         return request
 
+    def take(self, request: Request, num_tokens: int) -> None:
+        """Remove ``request``, just admitted, which must be the one ``peek`` offered
+        (``num_tokens``, its grant, matters only to the fair queue)."""
+        if self.pop() is not request:
+            raise RuntimeError("waiting queue changed order while admitting")
+
     def remove(self, request: Request) -> None:
         """Remove one request from anywhere in the queue (O(n), rare: aborts)."""
         if self.policy == "fcfs":

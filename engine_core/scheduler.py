@@ -12,8 +12,11 @@ import itertools
 from collections.abc import Iterable
 
 from config.schema import CacheConfig, SchedulerConfig
+from engine_core.fair_queue import FairQueue
+from engine_core.fair_step import FairPlanner
 from engine_core.fork_tracker import ForkTracker
 from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.ordered_step import OrderedPlanner
 from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput, TokenLogprobs
 from engine_core.request import Request, RequestStatus
 from engine_core.request_limits import RequestLimits
@@ -21,7 +24,8 @@ from engine_core.request_queue import RequestQueue
 from engine_core.sampling_params import InvalidRequestError
 from engine_core.scheduler_output import SchedulerOutput
 from engine_core.step_plan import StepPlan
-from engine_core.stop_checker import check_stop
+from engine_core.stop_checker import append_until_stop
+from engine_core.tenant_shares import TenantWeights
 
 
 class Scheduler:
@@ -30,6 +34,10 @@ class Scheduler:
     No I/O. Waiting samples of an n > 1 request that hold forked blocks are "parked";
     their blocks are reclaimed before any running request is preempted, so parked
     blocks can never starve the requests that are making progress.
+
+    A planner per policy family decides what each step grants (ordered_step.py for
+    fcfs and priority, fair_step.py for fair) through the primitives below:
+    ``grant_running``, ``admit`` and ``preempt``.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
@@ -42,7 +50,16 @@ class Scheduler:
             num_blocks, block_size, max_model_len,
             cache_config.enable_prefix_caching, cache_config.hash_algorithm)
         self.requests: dict[str, Request] = {}
-        self.waiting = RequestQueue(scheduler_config.policy)
+        self.tenant_weights = TenantWeights()
+        self.planner: OrderedPlanner | FairPlanner
+        if scheduler_config.policy == "fair":
+            # A turn of the waiting queue is worth one step's budget per unit of weight.
+            self.waiting: RequestQueue | FairQueue = FairQueue(
+                scheduler_config.max_num_batched_tokens, self.tenant_weights.weight)
+            self.planner = FairPlanner(self)
+        else:
+            self.waiting = RequestQueue(scheduler_config.policy)
+            self.planner = OrderedPlanner(self)
         self.running: list[Request] = []
         self.forks = ForkTracker(self.kv_cache_manager)
         self.limits = RequestLimits(max_model_len, num_blocks, block_size,
@@ -72,6 +89,7 @@ class Scheduler:
             request.sampling_params = request.sampling_params.clone(max_tokens=max_tokens)
         request.arrival_seq = next(self._arrival_seq)
         self.requests[request.req_id] = request
+        self.tenant_weights.add(request)
         if request.parent_req_id is not None:
             self._children.setdefault(request.parent_req_id, []).append(request.req_id)
         if not self.forks.add(request):
@@ -85,44 +103,36 @@ class Scheduler:
     # ---- schedule ----------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step: running requests first, in order, then waiting ones."""
+        """Plan the next step (the policy's planner decides the grants)."""
         plan = StepPlan(token_budget=self.config.max_num_batched_tokens)
-        self._schedule_running(plan)
-        if not plan.has_preemption:
-            self._schedule_waiting(plan)
+        self.planner.plan_step(plan)
         return self._make_output(plan)
 
-    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+    def num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        """Tokens ``request`` can compute from ``num_computed`` within ``budget``."""
         return min(request.num_tokens - num_computed, budget,
                    self.max_model_len - num_computed)
 
-    def _schedule_running(self, plan: StepPlan) -> None:
-        for request in list(self.running):
-            if plan.token_budget == 0:
-                break
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            num_new = self._num_new_tokens(request, request.num_computed_tokens,
-                                           plan.token_budget)
-            if num_new <= 0:
+    def grant_running(self, request: Request, num_new: int, plan: StepPlan,
+                      may_preempt: bool = True) -> bool:
+        """Grant ``num_new`` tokens to a running request, making KV room by reclaiming
+        parked samples, then (``may_preempt``) by preempting the policy's victims;
+        False when it got nothing (it did not fit, or was itself the victim)."""
+        while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+            if self.forks.reclaim():
                 continue
-            while (new_blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
-                if self.forks.reclaim():
-                    continue
-                victim = self._pick_victim()
-                self._preempt(victim, plan)
-                if victim is request:
-                    break
-            if new_blocks is not None:
-                plan.schedule_cached(request, num_new, new_blocks.get_block_ids())
+            if not may_preempt:
+                return False
+            victim = self.planner.pick_kv_victim()
+            self.preempt(victim, plan)
+            if victim is request:
+                return False
+        plan.schedule_cached(request, num_new, new_blocks.get_block_ids())
+        return True
 
-    def _pick_victim(self) -> Request:
-        if self.config.policy == "priority":
-            return max(self.running,
-                       key=lambda r: (r.priority, r.arrival_time, r.arrival_seq))
-        return max(self.running, key=lambda r: (r.arrival_time, r.arrival_seq))
-
-    def _preempt(self, victim: Request, plan: StepPlan) -> None:
+    def preempt(self, victim: Request, plan: StepPlan) -> None:
+        """Preempt a running request by recompute: it keeps its outputs, frees its
+        blocks, loses any grant of this step and waits at the front of its queue."""
         plan.unschedule(victim)
         plan.has_preemption = True
         plan.preempted_req_ids.append(victim.req_id)
@@ -136,13 +146,10 @@ class Scheduler:
         self.waiting.add_front(victim)
         self._forget_runner_state(victim)
 
-    def _schedule_waiting(self, plan: StepPlan) -> None:
-        while (self.waiting and plan.token_budget > 0
-               and len(self.running) < self.config.max_num_seqs):
-            if not self._admit(self.waiting.peek(), plan):
-                break
-
-    def _admit(self, request: Request, plan: StepPlan) -> bool:
+    def admit(self, request: Request, plan: StepPlan, budget: int | None = None) -> bool:
+        """Start the waiting request the queue offered, granting it at most ``budget``
+        tokens (default: the plan's); False, leaving it queued, if it cannot start."""
+        budget = plan.token_budget if budget is None else min(budget, plan.token_budget)
         kv = self.kv_cache_manager
         is_lookup = request.num_computed_tokens == 0
         hits, num_hit = kv.get_computed_blocks(request, record_stats=False) if is_lookup \
@@ -152,14 +159,13 @@ class Scheduler:
         # Chunking off: a whole remainder must fit this step. A resumed request longer
         # than the whole budget (prompts that long are rejected at add) is chunked.
         if (not self.config.enable_chunked_prefill
-                and plan.token_budget < remaining <= self.config.max_num_batched_tokens):
+                and budget < remaining <= self.config.max_num_batched_tokens):
             return False
-        num_new = self._num_new_tokens(request, num_computed, plan.token_budget)
+        num_new = self.num_new_tokens(request, num_computed, budget)
         while kv.allocate_slots(request, num_new, num_hit, hits) is None:
             if not self.forks.reclaim(keep=request):
                 return False
-        if self.waiting.pop() is not request:
-            raise RuntimeError("waiting queue changed order while admitting")
+        self.waiting.take(request, num_new)
         self.forks.unpark(request)
         if is_lookup:
             kv.record_prefix_query(request, num_hit)
@@ -209,14 +215,7 @@ class Scheduler:
     def _append_tokens(self, request: Request, token_ids: list[int],
                        logprobs: list[TokenLogprobs] | None) -> EngineCoreOutput:
         is_first = request.num_output_tokens == 0
-        new_ids: list[int] = []
-        status = None
-        for token_id in token_ids:
-            request.append_output_token_ids(token_id)
-            new_ids.append(token_id)
-            status = check_stop(request, token_id, self.max_model_len)
-            if status is not None:
-                break
+        new_ids, status = append_until_stop(request, token_ids, self.max_model_len)
         out = self._make_delta(request, new_ids, is_first)
         out.new_logprobs = logprobs[:len(new_ids)] if logprobs is not None else None
         if status is not None:
@@ -274,6 +273,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         self._forget_runner_state(request)
         del self.requests[request.req_id]
+        self.tenant_weights.remove(request)
         if request.parent_req_id is not None:
             siblings = self._children[request.parent_req_id]
             siblings.remove(request.req_id)

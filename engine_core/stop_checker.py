@@ -24,3 +24,20 @@ def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestSt
     if request.num_output_tokens >= request.max_tokens or request.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH
     return None
+
+
+def append_until_stop(request: Request, token_ids: list[int],
+                      max_model_len: int) -> tuple[list[int], RequestStatus | None]:
+    """Append sampled tokens one by one until a stop rule fires.
+
+    Returns the tokens appended (those after a stop are dropped) and the finished
+    status reached, if any; the caller finishes the request.
+    """
+    new_ids: list[int] = []
+    for token_id in token_ids:
+        request.append_output_token_ids(token_id)
+        new_ids.append(token_id)
+        status = check_stop(request, token_id, max_model_len)
+        if status is not None:
+            return new_ids, status
+    return new_ids, None

@@ -18,7 +18,8 @@ def make_request(req_id: str, prompt: list[int] | int, max_tokens: int = 4,
     """A Request; an int prompt means that many distinct tokens (0, 1, 2, ...)."""
     tokens = list(range(prompt)) if isinstance(prompt, int) else list(prompt)
     req_kw = {k: kw.pop(k) for k in ("eos_token_ids", "cache_salt", "lora_id",
-                                      "parent_req_id", "index") if k in kw}
+                                      "parent_req_id", "index", "tenant",
+                                      "tenant_weight") if k in kw}
     params = SamplingParams(max_tokens=max_tokens, **kw)
     arrival = float(next(_arrivals)) if arrival_time is None else arrival_time
     return Request(req_id=req_id, prompt_token_ids=tokens, sampling_params=params,

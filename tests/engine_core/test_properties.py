@@ -55,13 +55,14 @@ class Harness:
         self.finish: dict[str, FinishReason] = {}
         self.parents: list[str] = []
 
-    def add(self, length, max_tokens, n, salt, priority, variant):
+    def add(self, length, max_tokens, n, salt, priority, variant, **request_kw):
         req_id = f"q{len(self.parents)}"
         self.parents.append(req_id)
         prompt = prompt_for(variant, length)
         params = SamplingParams(n=n, max_tokens=max_tokens, priority=priority)
         try:
-            ids = self.engine.add_request(req_id, prompt, params, cache_salt=salt)
+            ids = self.engine.add_request(req_id, prompt, params, cache_salt=salt,
+                                          **request_kw)
         except InvalidRequestError as err:
             assert err.param in ("prompt", "max_tokens")
             bs, usable = self.cfg["block_size"], self.cfg["num_blocks"] - 1
