@@ -9,12 +9,19 @@ lstrip_blocks on, loop controls, ``raise_exception(msg)``, ``strftime_now(fmt)``
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from typing import Any
 
 import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+# A role (and OpenAI's optional ``name``) is an identifier: templates paste it between
+# their own markers, so a newline or "<|im_end|>" in it would forge a turn. Custom
+# roles stay allowed, as in vLLM.
+_IDENTIFIER = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class ChatTemplateError(ValueError):
@@ -64,9 +71,10 @@ def _text_content(content: Any, index: int) -> str:
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
     """Check the conversation's shape and return copies with string contents.
 
-    Each message is a dict with a non-empty string ``role`` and a ``content`` that is a
-    string or a list of text parts; ``content`` may be null only on an assistant message
-    that carries ``tool_calls``. Other keys (name, tool_calls, tool_call_id) pass through.
+    Each message is a dict with a ``role`` of 1-64 ASCII letters, digits, ``_`` or ``-``
+    and a ``content`` that is a string or a list of text parts; ``content`` may be null
+    only on an assistant message that carries ``tool_calls``. A ``name`` follows the
+    role's rule; other keys (tool_calls, tool_call_id) pass through.
     """
     if not isinstance(messages, list) or not messages:
         raise ChatTemplateError("messages must be a non-empty list of {'role', 'content'} dicts")
@@ -76,8 +84,13 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
             raise ChatTemplateError(f"messages[{index}] must be an object with 'role' and "
                                     f"'content', got {type(message).__name__}")
         role = message.get("role")
-        if not isinstance(role, str) or not role:
-            raise ChatTemplateError(f"messages[{index}].role must be a non-empty string")
+        if not isinstance(role, str) or not _IDENTIFIER.fullmatch(role):
+            raise ChatTemplateError(f"messages[{index}].role must be 1-64 letters, digits, "
+                                    f"'_' or '-'")
+        name = message.get("name")
+        if name is not None and not (isinstance(name, str) and _IDENTIFIER.fullmatch(name)):
+            raise ChatTemplateError(f"messages[{index}].name must be 1-64 letters, digits, "
+                                    f"'_' or '-'")
         if "content" not in message:
             raise ChatTemplateError(f"messages[{index}] has no 'content'")
         content = message["content"]

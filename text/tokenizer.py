@@ -7,14 +7,17 @@ Neither path imports torch or transformers.
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any, Iterable
 
 from tokenizers import Tokenizer as BackendTokenizer
 
+from text.chat_prompt import ChatPrompt, ChatPromptEncoder, render_chat_prompt
 from text.chat_template import ChatTemplate, ChatTemplateError
 from text.gguf_tokenizer import build_gguf_tokenizer
+from text.token_span import TokenSpan, token_span
 from model_files.gguf_file import GGUFFile
 from model_files.paths import ModelFileError, is_gguf_file, resolve_tokenizer_path
 
@@ -58,12 +61,26 @@ class Tokenizer:
         """Number of token ids, added tokens included."""
         return self._backend.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def token_span(self) -> TokenSpan | None:
+        """The most characters one token covers (text/token_span.py); None: no bound."""
+        return token_span(self._backend)
+
+    @functools.cached_property
+    def _chat_encoder(self) -> ChatPromptEncoder:
+        # Built on first use; two threads racing here build two equal encoders, harmless.
+        return ChatPromptEncoder(self._backend)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``. Special tokens written in the text (``<|im_start|>``) map
-        to their ids; ``add_special_tokens`` adds bos/eos only where the model asks for it."""
+        to their ids; ``add_special_tokens`` adds bos/eos only where the model asks for it.
+
+        Safe to call from several threads. It goes through ``encode_batch``, which
+        releases the GIL while it works; ``encode`` holds it (a thread encoding 1 MiB of
+        digits stalled the main thread for the whole 1.8 s; benchmarks/tokenizer_gil.py)."""
         if not isinstance(text, str):
             raise TypeError(f"encode() takes a str, got {type(text).__name__}")
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``token_ids``; incomplete UTF-8 at either end decodes to U+FFFD."""
@@ -88,6 +105,23 @@ class Tokenizer:
         return self._template.render(messages, add_generation_prompt=add_generation_prompt,
                                      tools=tools, bos_token=self.bos_token,
                                      eos_token=self.eos_token, **template_kwargs)
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    split_content: bool = True) -> ChatPrompt:
+        """Render a conversation for :meth:`encode_chat`. With ``split_content`` (the
+        safe default) special-token text in message content stays plain text; without
+        it the whole rendering is encoded as one string (content may write special ids).
+        """
+        def render(msgs: list[dict[str, Any]]) -> str:
+            return self.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+
+        if not split_content:
+            return ChatPrompt(((render(messages), False),))
+        return render_chat_prompt(render, messages, self._chat_encoder.special_tokens)
+
+    def encode_chat(self, prompt: ChatPrompt) -> list[int]:
+        """Token ids of a rendered conversation (text/chat_prompt.py); thread-safe."""
+        return self._chat_encoder.encode(prompt)
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> "Tokenizer":
