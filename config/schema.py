@@ -252,6 +252,16 @@ class APIConfig:
                                f"(at most {ENGINE_MAX_STOP_STRINGS})")
     max_logprobs: int = _f(ENGINE_MAX_LOGPROBS, "most top logprobs per token (at most "
                            f"{ENGINE_MAX_LOGPROBS})")
+    max_stop_string_chars: int = _f(1024, "longest stop string in characters")
+    max_stop_token_ids: int = _f(256, "most stop_token_ids per request (the vocabulary "
+                                 "size if that is smaller)")
+    num_tokenizer_threads: int = _f(2, "threads of each API process that tokenize and "
+                                    "render chat templates off its event loop (the "
+                                    "tokenizer releases the GIL while it encodes)")
+    allow_special_tokens_in_content: bool = _f(
+        False, "let special-token text in chat message content (e.g. '<|im_start|>') "
+        "become special tokens; false reads it as plain text, so a message cannot forge "
+        "a turn of another role")
 
     def __post_init__(self):
         _check(all(k and k == k.strip() and "," not in k for k in self.api_keys),
@@ -264,6 +274,11 @@ class APIConfig:
                f"must be in 1..{ENGINE_MAX_STOP_STRINGS}")
         _check(0 <= self.max_logprobs <= ENGINE_MAX_LOGPROBS, "api.max_logprobs",
                f"must be in 0..{ENGINE_MAX_LOGPROBS}")
+        _check(self.max_stop_string_chars >= 1, "api.max_stop_string_chars",
+               "must be at least 1")
+        _check(self.max_stop_token_ids >= 0, "api.max_stop_token_ids", "must be non-negative")
+        _check(1 <= self.num_tokenizer_threads <= 64, "api.num_tokenizer_threads",
+               "must be in 1..64")
 
 
 @dataclass(frozen=True, slots=True)

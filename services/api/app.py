@@ -2,8 +2,9 @@
 
     request ─▶ auth (auth.py) ─▶ errors (errors.py) ─▶ admission (admission.py) ─▶ route
 A completion or chat route validates its body (request_validation.py) and hands it to
-a :class:`Generation` (generation.py), which tokenizes, runs and answers it; the other
-routes answer from the tokenizer or the engine core's gauges.
+a :class:`Generation` (generation.py), which tokenizes (on the process's tokenizer
+threads, tokenizer_pool.py), runs and answers it; the other routes answer from the
+tokenizer or the engine core's gauges.
 """
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ from services.api.auth import CACHE_SALT, APIKeys, auth_middleware
 from services.api.engine_client import EngineClient, EngineDead
 from services.api.errors import error_middleware
 from services.api.generation import Generation
-from services.api.openai_protocol import APIError, bad, unavailable
+from services.api.openai_protocol import APIError, unavailable
 from services.api.openapi import openapi_document
 from services.api.request_body import parse_json_object, read_body
 from services.api.request_validation import RequestValidator, ValidationLimits, check_model
 from services.api.token_routes import TokenRoutes
-from text.chat_template import ChatTemplateError
+from services.api.tokenizer_pool import TokenizerPool
 from text.tokenizer import Tokenizer
 
 VERSION = "0.1.0"
@@ -43,10 +44,13 @@ class APIServer:
         self.api_keys = api_keys if api_keys is not None else APIKeys.from_sources(
             self.api.api_keys, os.environ)
         facts = engine.model_facts  # the model's own vocabulary bounds prompt token ids
-        self.validator = RequestValidator(ValidationLimits(
-            max_model_len, facts.vocab_size if facts is not None else tokenizer.vocab_size,
-            self.api.max_n, self.api.max_stop_strings, self.api.max_logprobs))
+        self.validator = RequestValidator(ValidationLimits.from_config(
+            self.api, max_model_len,
+            facts.vocab_size if facts is not None else tokenizer.vocab_size,
+            tokenizer.token_span))
         self.admission = Admission(engine)
+        self.tokens = TokenizerPool(tokenizer, self.api.num_tokenizer_threads,
+                                    self.api.allow_special_tokens_in_content)
 
     def app(self) -> web.Application:
         public = {"/health", "/metrics"} if self.api.public_metrics else {"/health"}
@@ -54,15 +58,19 @@ class APIServer:
         app = web.Application(middlewares=[auth_middleware(self.api_keys, public),
                                            error_middleware, self.admission.middleware],
                               client_max_size=self.api.max_body_bytes)
+        app.on_cleanup.append(self._close)
         app.router.add_get("/openapi.json", self.openapi)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
-        TokenRoutes(self.tokenizer, self._body, self.max_model_len).add_to(app.router)
+        TokenRoutes(self.tokens, self.validator, self._body).add_to(app.router)
         app.router.add_get("/health", self.health)
         app.router.add_get("/version", self.version)
         app.router.add_get("/metrics", self.metrics)
         return app
+
+    async def _close(self, app: web.Application) -> None:
+        self.tokens.close()
 
     async def _body(self, request) -> dict:
         body = parse_json_object(await read_body(request, self.api.max_body_bytes))
@@ -79,21 +87,18 @@ class APIServer:
         checked = self.validator.completion(await self._body(request))
         prompt = checked.prompt
 
-        def tokenize() -> list[int]:
-            return self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        async def tokenize() -> list[int]:  # a text prompt passed the character bound
+            return await self.tokens.encode(prompt) if isinstance(prompt, str) else prompt
 
         return await self._generation(request, checked, chat=False).respond(request, tokenize)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         checked = self.validator.chat(await self._body(request))
 
-        def tokenize() -> list[int]:
-            try:
-                text = self.tokenizer.apply_chat_template(
-                    checked.messages, add_generation_prompt=checked.add_generation_prompt)
-            except ChatTemplateError as e:
-                raise bad(str(e), "messages") from None
-            return self.tokenizer.encode(text, add_special_tokens=False)
+        async def tokenize() -> list[int]:
+            return await self.tokens.encode_chat(
+                checked.messages, checked.add_generation_prompt,
+                lambda text: self.validator.check_prompt_text(text, "messages"))
 
         return await self._generation(request, checked, chat=True).respond(request, tokenize)
 

@@ -16,7 +16,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import structlog
@@ -69,7 +69,7 @@ class Generation:
         return "chat" if self.chat else "text_completion"
 
     async def respond(self, request: web.Request,
-                      tokenize: Callable[[], list[int]]) -> web.StreamResponse:
+                      tokenize: Callable[[], Awaitable[list[int]]]) -> web.StreamResponse:
         """Tokenize, run and answer the request under its trace and log context."""
         error = None
         with structlog.contextvars.bound_contextvars(request_id=self.req_id,
@@ -77,7 +77,7 @@ class Generation:
             try:
                 params = self.checked.params
                 with self.trace.tokenize():
-                    ids = self.validator.check_prompt_ids(tokenize(), params,
+                    ids = self.validator.check_prompt_ids(await tokenize(), params,
                                                           self.checked.max_tokens_param)
                 log.info("request received", operation=self.operation,
                          num_prompt_tokens=len(ids), max_tokens=params.max_tokens,

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.api.request_validation import INT64_MAX, ValidationLimits
+from services.api.fields import INT64_MAX
+from services.api.request_validation import ValidationLimits
 
 _ERRORS = {"400": "invalid request", "401": "missing or wrong API key",
            "404": "unknown model or route", "413": "body too large",
@@ -39,6 +40,7 @@ def _sampling(lim: ValidationLimits) -> dict[str, Any]:
     num = {"type": "number"}
     int64 = {"type": "integer", "minimum": -INT64_MAX - 1, "maximum": INT64_MAX}
     nullable = lambda schema: {"anyOf": [schema, {"type": "null"}]}  # noqa: E731
+    stop = {"type": "string", "minLength": 1, "maxLength": lim.max_stop_string_chars}
     return {
         "model": _MODEL, "stream": nullable({"type": "boolean"}),
         "stream_options": nullable({"type": "object", "properties": {
@@ -56,10 +58,10 @@ def _sampling(lim: ValidationLimits) -> dict[str, Any]:
         "frequency_penalty": nullable({**num, "minimum": -2, "maximum": 2}),
         "repetition_penalty": nullable({**num, "exclusiveMinimum": 0, "maximum": 2 ** 16}),
         "seed": nullable(int64), "priority": nullable(int64),
-        "stop": nullable({"anyOf": [{"type": "string", "minLength": 1}, {
-            "type": "array", "maxItems": lim.max_stop_strings,
-            "items": {"type": "string", "minLength": 1}}]}),
-        "stop_token_ids": nullable({"type": "array", "items": _token_id(lim)}),
+        "stop": nullable({"anyOf": [stop, {"type": "array", "maxItems": lim.max_stop_strings,
+                                           "items": stop}]}),
+        "stop_token_ids": nullable({"type": "array", "maxItems": lim.max_stop_token_ids,
+                                    "items": _token_id(lim)}),
         "ignore_eos": nullable({"type": "boolean"}),
         "skip_special_tokens": nullable({"type": "boolean"}),
         "include_stop_str_in_output": nullable({"type": "boolean"}),
@@ -81,7 +83,7 @@ def _schemas(lim: ValidationLimits) -> dict[str, Any]:
     part = {"type": "object", "required": ["type", "text"], "properties": {
         "type": {"const": "text"}, "text": {"type": "string"}}}
     message = {"type": "object", "required": ["role", "content"], "properties": {
-        "role": {"type": "string", "minLength": 1},
+        "role": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
         "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}}}
     ids = {"type": "array", "minItems": 1, "items": _token_id(lim)}
     return {
@@ -118,7 +120,8 @@ def _schemas(lim: ValidationLimits) -> dict[str, Any]:
                 "model": _MODEL,
                 "messages": {"type": "array", "minItems": 1, "items": message}}}]},
         "DetokenizeRequest": {"type": "object", "required": ["tokens"], "properties": {
-            "model": _MODEL, "tokens": {"type": "array", "items": _token_id(lim)}}},
+            "model": _MODEL, "tokens": {"type": "array", "maxItems": lim.max_model_len,
+                                        "items": _token_id(lim)}}},
     }
 
 

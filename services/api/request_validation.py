@@ -2,39 +2,41 @@
 
 The first field that is wrong becomes one 400 whose ``param`` names it, so an error
 body stays small however many fields are wrong. Integers are bounded so they fit the
-engine's int64 wire format and tensors; a prompt's length against ``max_model_len`` is
-checked again after tokenization (:meth:`RequestValidator.check_prompt_ids`).
+engine's int64 wire format and tensors; per-request lists and strings (stop strings,
+stop_token_ids, prompt ids) are bounded by the ``api`` section before their elements
+are checked, in one pass. A text prompt that must become more than ``max_model_len``
+tokens is refused from its character count (:meth:`RequestValidator.check_prompt_text`,
+text/token_span.py) before tokenization, and its token count is checked again after
+(:meth:`RequestValidator.check_prompt_ids`).
 
 Fields OpenAI defines that Folio does not serve (``echo``, ``suffix``, ``logit_bias``,
-``tools``...) are refused when set rather than silently ignored; other unknown fields
-are ignored, as vLLM does. ``cache_salt`` is refused: the server derives it from the
-caller's API key (services/api/auth.py) and never takes it from a client.
+``tools``...) are refused when set to anything but their default (services/api/fields.py)
+rather than silently ignored; other unknown fields are ignored, as vLLM does.
+``cache_salt`` is refused: the server derives it from the caller's API key
+(services/api/auth.py) and never takes it from a client.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
+from config.schema import APIConfig
 from engine_core.sampling_params import InvalidRequestError, SamplingParams
-from text.chat_template import ChatTemplateError, validate_messages
+from services.api.fields import INT64, NUMBER, Range, check_refused, token_ids, typed
 from services.api.openai_protocol import APIError, bad
+from text.chat_template import ChatTemplateError, validate_messages
+from text.token_span import TokenSpan
 
-INT64_MAX = 2 ** 63 - 1
-_NUMBER = (int, float)
-# field → (accepted types, inclusive bounds or None); SamplingParams re-checks the rest
-_FIELDS: dict[str, tuple[tuple, tuple | None]] = {
-    "temperature": (_NUMBER, (0.0, 2.0)), "top_p": (_NUMBER, (0.0, 1.0)),
-    "min_p": (_NUMBER, (0.0, 1.0)), "seed": ((int,), (-INT64_MAX - 1, INT64_MAX)),
-    "presence_penalty": (_NUMBER, (-2.0, 2.0)), "frequency_penalty": (_NUMBER, (-2.0, 2.0)),
-    "repetition_penalty": (_NUMBER, None), "priority": ((int,), (-INT64_MAX - 1, INT64_MAX)),
-    "ignore_eos": ((bool,), None), "skip_special_tokens": ((bool,), None),
-    "include_stop_str_in_output": ((bool,), None),
+# field → (accepted types, bounds or None); SamplingParams re-checks the rest
+_FIELDS: dict[str, tuple[tuple, Range | None]] = {
+    "temperature": (NUMBER, Range(0.0, 2.0)), "top_p": (NUMBER, Range(0.0, 1.0, True)),
+    "min_p": (NUMBER, Range(0.0, 1.0)), "seed": ((int,), INT64),
+    "presence_penalty": (NUMBER, Range(-2.0, 2.0)),
+    "frequency_penalty": (NUMBER, Range(-2.0, 2.0)),
+    "repetition_penalty": (NUMBER, Range(0.0, float(2 ** 16), True)),
+    "priority": ((int,), INT64), "ignore_eos": ((bool,), None),
+    "skip_special_tokens": ((bool,), None), "include_stop_str_in_output": ((bool,), None),
 }
-# set to anything but these values, the field asks for something Folio does not serve
-_UNSUPPORTED = {"echo": (False,), "suffix": ("",), "logit_bias": ({},), "tools": ([],),
-                "tool_choice": ("none", "auto"), "best_of": (1,), "cache_salt": (),
-                "response_format": ({"type": "text"},)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +48,16 @@ class ValidationLimits:
     max_n: int = 16
     max_stop_strings: int = 16
     max_logprobs: int = 20
+    max_stop_string_chars: int = 1024
+    max_stop_token_ids: int = 256  # never above vocab_size (from_config sees to that)
+    token_span: TokenSpan | None = None  # None: no cheap bound on a text's token count
+
+    @classmethod
+    def from_config(cls, api: APIConfig, max_model_len: int, vocab_size: int,
+                    token_span: TokenSpan | None) -> "ValidationLimits":
+        return cls(max_model_len, vocab_size, api.max_n, api.max_stop_strings,
+                   api.max_logprobs, api.max_stop_string_chars,
+                   min(api.max_stop_token_ids, vocab_size), token_span)
 
 
 @dataclass(slots=True)
@@ -61,61 +73,36 @@ class CheckedRequest:
     add_generation_prompt: bool = True
 
 
-def _type_name(types: tuple) -> str:
-    return {bool: "boolean", int: "integer", float: "number", str: "string",
-            list: "array", dict: "object"}[types[-1] if types == _NUMBER else types[0]]
-
-
-def typed(body: dict, key: str, types: tuple, bounds: tuple | None = None) -> Any:
-    """``body[key]`` if it has one of ``types`` (bool is never an int) and lies in bounds."""
-    value = body[key]
-    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-        raise bad(f"'{key}' must be a{'n' if _type_name(types)[0] in 'aeiou' else ''} "
-                  f"{_type_name(types)}", key)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise bad(f"'{key}' must be a finite number", key)
-    if bounds is not None and not bounds[0] <= value <= bounds[1]:
-        raise bad(f"'{key}' must be at least {bounds[0]}" if bounds[1] == INT64_MAX
-                  else f"'{key}' must be in [{bounds[0]}, {bounds[1]}]", key)
-    return value
-
-
 class RequestValidator:
     """Checks bodies against one model's :class:`ValidationLimits`."""
 
     def __init__(self, limits: ValidationLimits):
         self.limits = limits
 
-    def _token_ids(self, value: Any, key: str) -> list[int]:
-        if not isinstance(value, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) for t in value):
-            raise bad(f"'{key}' must be a list of token ids", key)
-        if any(t < 0 or t >= self.limits.vocab_size for t in value):
-            raise bad(f"'{key}' holds token ids outside the vocabulary "
-                      f"[0, {self.limits.vocab_size})", key)
-        return value
+    def _token_ids(self, value: Any, key: str, max_count: int | None = None) -> list[int]:
+        return token_ids(value, key, self.limits.vocab_size, max_count)
 
     def sampling_params(self, body: dict, *, chat: bool) -> SamplingParams:
         """Validated SamplingParams from an OpenAI completion or chat body."""
         lim = self.limits
-        for key, allowed in _UNSUPPORTED.items():
-            if body.get(key) is not None and body[key] not in allowed:
-                raise bad(f"'{key}' is not supported by this server", key)
+        check_refused(body)
         kwargs: dict[str, Any] = {k: typed(body, k, types, bounds)
                                   for k, (types, bounds) in _FIELDS.items()
                                   if body.get(k) is not None}
         if body.get("n") is not None:
-            kwargs["n"] = typed(body, "n", (int,), (1, lim.max_n))
+            kwargs["n"] = typed(body, "n", (int,), Range(1, lim.max_n))
         if body.get("top_k") is not None:
-            kwargs["top_k"] = typed(body, "top_k", (int,), (-1, lim.vocab_size))
+            kwargs["top_k"] = typed(body, "top_k", (int,), Range(-1, lim.vocab_size))
         kwargs["max_tokens"] = None  # chat: max_completion_tokens wins over max_tokens
         for key in ("max_tokens", "max_completion_tokens")[:1 + chat]:
             if body.get(key) is not None:
-                kwargs["max_tokens"] = typed(body, key, (int,), (1, INT64_MAX))
+                kwargs["max_tokens"] = typed(body, key, (int,), Range(1, INT64.hi))
         if body.get("min_tokens") is not None:
-            kwargs["min_tokens"] = typed(body, "min_tokens", (int,), (0, lim.max_model_len))
+            kwargs["min_tokens"] = typed(body, "min_tokens", (int,),
+                                         Range(0, lim.max_model_len))
         if body.get("stop_token_ids") is not None:
-            kwargs["stop_token_ids"] = self._token_ids(body["stop_token_ids"], "stop_token_ids")
+            kwargs["stop_token_ids"] = self._token_ids(body["stop_token_ids"],
+                                                       "stop_token_ids", lim.max_stop_token_ids)
         if body.get("stop") is not None:
             kwargs["stop"] = self._stop(body["stop"])
         if body.get("user") is not None:
@@ -127,18 +114,25 @@ class RequestValidator:
             raise bad(str(e), e.param) from None
 
     def _stop(self, stop: Any) -> list[str]:
+        """One string or a bounded list of them, each non-empty and bounded: one pass."""
+        lim = self.limits
         stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        if not isinstance(stop, list):
             raise bad("'stop' must be a string or a list of strings", "stop")
-        if len(stop) > self.limits.max_stop_strings:
-            raise bad(f"'stop' may hold at most {self.limits.max_stop_strings} strings",
-                      "stop")
-        if not all(stop):
-            raise bad("stop strings must not be empty", "stop")
+        if len(stop) > lim.max_stop_strings:
+            raise bad(f"'stop' may hold at most {lim.max_stop_strings} strings", "stop")
+        for s in stop:
+            if not isinstance(s, str):
+                raise bad("'stop' must be a string or a list of strings", "stop")
+            if not s:
+                raise bad("stop strings must not be empty", "stop")
+            if len(s) > lim.max_stop_string_chars:
+                raise bad(f"each stop string may hold at most {lim.max_stop_string_chars} "
+                          f"characters", "stop")
         return stop
 
     def _logprobs(self, body: dict, chat: bool, kwargs: dict) -> None:
-        bounds = (0, self.limits.max_logprobs)
+        bounds = Range(0, self.limits.max_logprobs)
         if not chat:
             if body.get("logprobs") is not None:
                 kwargs["logprobs"] = typed(body, "logprobs", (int,), bounds)
@@ -153,7 +147,8 @@ class RequestValidator:
             kwargs["logprobs"] = 0
 
     def completion(self, body: dict) -> CheckedRequest:
-        """A completion body: one prompt (text or token ids) and its sampling."""
+        """A completion body: one prompt (text or token ids) and its sampling. A text
+        prompt that cannot fit the context is refused here, before it is tokenized."""
         stream, include_usage = stream_flags(body)
         params = self.sampling_params(body, chat=False)
         prompt = body.get("prompt")
@@ -162,8 +157,10 @@ class RequestValidator:
         if isinstance(prompt, str):
             if not prompt:
                 raise bad("'prompt' must not be empty", "prompt")
-        elif isinstance(prompt, list) and prompt and not any(
-                isinstance(p, (str, list)) for p in prompt):
+            self.check_prompt_text(prompt, "prompt")
+        elif isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list)):
+            if len(prompt) >= self.limits.max_model_len:  # before touching each element
+                raise bad(_too_many_tokens(len(prompt), self.limits.max_model_len), "prompt")
             self._token_ids(prompt, "prompt")
         else:
             raise bad("'prompt' must be a non-empty string or list of token ids (batches of "
@@ -182,6 +179,18 @@ class RequestValidator:
         return CheckedRequest(params, stream, include_usage, messages=messages,
                               add_generation_prompt=add, max_tokens_param=param)
 
+    def check_prompt_text(self, text: str, param: str, room: int = 1) -> None:
+        """400 naming ``param`` when ``text`` must become more than max_model_len - room
+        tokens (``room``: tokens the context must keep free; 1 for a generation), decided
+        from its characters alone (text/token_span.py) before anything tokenizes it."""
+        lim, span = self.limits, self.limits.token_span
+        if span is None:  # this tokenizer gives no sound bound
+            return
+        min_tokens = span.min_tokens(text)
+        if min_tokens > lim.max_model_len - room:
+            raise bad(f"the {param} has {len(text)} characters, so at least {min_tokens} "
+                      f"tokens; this model's maximum context is {lim.max_model_len}", param)
+
     def check_prompt_ids(self, ids: list[int], params: SamplingParams,
                          max_tokens_param: str = "max_tokens") -> list[int]:
         """The tokenized prompt against the context: room for max_tokens, ids in vocab."""
@@ -189,14 +198,18 @@ class RequestValidator:
         if not ids:
             raise bad("the prompt is empty after tokenization", "prompt")
         if len(ids) >= lim.max_model_len:
-            raise bad(f"the prompt has {len(ids)} tokens; this model's maximum context is "
-                      f"{lim.max_model_len}", "prompt")
+            raise bad(_too_many_tokens(len(ids), lim.max_model_len), "prompt")
         room = lim.max_model_len - len(ids)
         if params.max_tokens is not None and params.max_tokens > room:
             raise bad(f"{max_tokens_param} ({params.max_tokens}) exceeds the room left after "
                       f"the prompt ({room} of {lim.max_model_len} tokens)", max_tokens_param)
         self._token_ids(ids, "prompt")
         return ids
+
+
+def _too_many_tokens(num_tokens: int, max_model_len: int) -> str:
+    return (f"the prompt has {num_tokens} tokens; this model's maximum context is "
+            f"{max_model_len}")
 
 
 def checked_messages(messages: Any) -> list[dict[str, Any]]:
