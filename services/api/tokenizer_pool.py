@@ -64,8 +64,10 @@ class TokenizerPool:
                                                 split_content=self.split_content)
         except ChatTemplateError as e:
             raise bad(str(e), "messages") from None
-        # The rendered text bounds the token count; the contents' total does not: a
-        # template may drop, trim or repeat content.
+        # The rendered text is what gets encoded (content pieces as plain text, which
+        # only adds tokens), so its length bounds the token count. The contents' total
+        # length is no bound: a template may drop or trim content (only the last turns,
+        # reasoning cut from assistant turns), and then fewer tokens result.
         check_text(prompt.text)
         return self.tokenizer.encode_chat(prompt)
 
