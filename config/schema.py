@@ -214,6 +214,9 @@ class ServicesConfig:
                                "worker (/health 503, the stack stops with exit status 1)")
     drain_timeout_s: float = _f(30.0, "on SIGTERM, how long in-flight requests may take to "
                                 "finish before the stack stops anyway")
+    api_restart_budget: int = _f(5, "API process restarts `folio serve` allows in any 60 s "
+                                 "(an API process that exits is restarted; past the budget "
+                                 "the stack drains and stops)")
 
     def __post_init__(self):
         _check(0 <= self.api_port <= 65535, "services.api_port", "must be in 0..65535")
@@ -225,6 +228,8 @@ class ServicesConfig:
         _check(self.startup_timeout_s > 0, "services.startup_timeout_s", "must be positive")
         _check(self.step_timeout_s > 0, "services.step_timeout_s", "must be positive")
         _check(self.drain_timeout_s >= 0, "services.drain_timeout_s", "must be non-negative")
+        _check(self.api_restart_budget >= 0, "services.api_restart_budget",
+               "must be non-negative")
 
 
 def _is_host_port(value: str) -> bool:
