@@ -6,6 +6,7 @@ error messages and ``folio config`` prints it. Validation lives next to the fiel
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # The engine's own hard bounds (SamplingParams enforces them); the API's limits may
@@ -257,6 +258,9 @@ class APIConfig:
                                f"(at most {ENGINE_MAX_STOP_STRINGS})")
     max_logprobs: int = _f(ENGINE_MAX_LOGPROBS, "most top logprobs per token (at most "
                            f"{ENGINE_MAX_LOGPROBS})")
+    tenant_weights: dict[str, float] = field(default_factory=dict, metadata={
+        "doc": "scheduler.policy fair: weight of each tenant (an API key), keyed by its "
+               "tenant id (`folio tenant-id KEY` prints it); others weigh 1"})
 
     def __post_init__(self):
         _check(all(k and k == k.strip() and "," not in k for k in self.api_keys),
@@ -269,6 +273,8 @@ class APIConfig:
                f"must be in 1..{ENGINE_MAX_STOP_STRINGS}")
         _check(0 <= self.max_logprobs <= ENGINE_MAX_LOGPROBS, "api.max_logprobs",
                f"must be in 0..{ENGINE_MAX_LOGPROBS}")
+        _check(all(math.isfinite(w) and w > 0 for w in self.tenant_weights.values()),
+               "api.tenant_weights", "weights must be positive numbers")
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from config.schema import APIConfig
 from services.api.admission import Admission
-from services.api.auth import CACHE_SALT, APIKeys, auth_middleware
+from services.api.auth import CACHE_SALT, TENANT, APIKeys, auth_middleware
 from services.api.engine_client import EngineClient, EngineDead
 from services.api.errors import error_middleware
 from services.api.generation import Generation
@@ -70,10 +70,12 @@ class APIServer:
         return body
 
     def _generation(self, request: web.Request, checked, chat: bool) -> Generation:
+        tenant = request.get(TENANT)
         return Generation.start(request, checked, chat, engine=self.engine,
                                 tokenizer=self.tokenizer, validator=self.validator,
                                 model_name=self.model_name, tracer=self.tracer,
-                                cache_salt=request.get(CACHE_SALT))
+                                cache_salt=request.get(CACHE_SALT), tenant=tenant,
+                                tenant_weight=self.api.tenant_weights.get(tenant, 1.0))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         checked = self.validator.completion(await self._body(request))
