@@ -261,6 +261,17 @@ class APIConfig:
     tenant_weights: dict[str, float] = field(default_factory=dict, metadata={
         "doc": "scheduler.policy fair: weight of each tenant (an API key), keyed by its "
                "tenant id (`folio tenant-id KEY` prints it); others weigh 1"})
+    header_timeout_s: float = _f(10.0, "seconds a request line and its headers may take "
+                                 "from their first byte (408 and close beyond)")
+    body_timeout_s: float = _f(30.0, "seconds a request body may take from the end of its "
+                               "headers (408 and close beyond)")
+    keepalive_timeout_s: float = _f(15.0, "seconds a connection may sit idle before (or "
+                                    "between) requests before it is closed")
+    max_connections: int = _f(4096, "open client connections per API process; a new one "
+                              "beyond gets 503 and is closed")
+    max_buffered_body_bytes: int = _f(64 * 1024 * 1024, "request-body bytes one API process "
+                                      "holds at once across requests (503 + Retry-After "
+                                      "beyond); at least max_body_bytes")
 
     def __post_init__(self):
         _check(all(k and k == k.strip() and "," not in k for k in self.api_keys),
@@ -275,6 +286,12 @@ class APIConfig:
                f"must be in 0..{ENGINE_MAX_LOGPROBS}")
         _check(all(math.isfinite(w) and w > 0 for w in self.tenant_weights.values()),
                "api.tenant_weights", "weights must be positive numbers")
+        for key in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
+            _check(getattr(self, key) > 0, f"api.{key}", "must be positive")
+        _check(self.max_connections >= 1, "api.max_connections", "must be at least 1")
+        _check(self.max_buffered_body_bytes >= self.max_body_bytes,
+               "api.max_buffered_body_bytes", "must be at least api.max_body_bytes (else "
+               "the largest allowed body could never be read)")
 
 
 @dataclass(frozen=True, slots=True)

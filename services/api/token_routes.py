@@ -23,9 +23,9 @@ class TokenRoutes:
                  read_body: Callable[[web.Request], Awaitable[dict]], max_model_len: int):
         self.tokenizer, self.read_body, self.max_model_len = tokenizer, read_body, max_model_len
 
-    def add_to(self, router: web.UrlDispatcher) -> None:
-        router.add_post("/tokenize", self.tokenize)
-        router.add_post("/detokenize", self.detokenize)
+    def add_to(self, router: web.UrlDispatcher, expect_handler=None) -> None:
+        router.add_post("/tokenize", self.tokenize, expect_handler=expect_handler)
+        router.add_post("/detokenize", self.detokenize, expect_handler=expect_handler)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """``{"prompt": str}`` or ``{"messages": [...]}`` → token ids."""
