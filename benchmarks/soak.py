@@ -5,7 +5,11 @@ Traffic runs at --load (default 0.7) of the saturated request throughput, which 
 measured first with a closed loop at --saturation-concurrency (or pass --rate).
 Requests have mixed lengths (`folio bench serve`'s "chat" workload), stream, and
 ignore EOS; --disconnect-fraction of the clients hang up at a random token and
---invalid-fraction send a request the API must refuse (4xx). The report: 5xx count
+--invalid-fraction send a request the API must refuse (4xx). An adversarial mix rides
+along (benchmarks/attacks.py): --slow-fraction clients trickle a body a byte a second
+(the server must close them), --bomb-fraction send 4 MB tokenizer bombs and
+--oversized-fraction send parameters as large as the body holds (both must get a 4xx
+at once). The report: 5xx count
 (must be 0), TTFT/TPOT/E2E percentiles per quarter of the run (first vs last), RSS of
 every service process over time (it should stay flat), and the engine's gauges at the
 end (no request left, no KV block in use). JSON and markdown go to benchmarks/results/.
@@ -29,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks import attacks  # noqa: E402
 from benchmarks.serve_stack import serving  # noqa: E402
 from config.loader import parse_set_overrides  # noqa: E402
 from benchmarks.soak_report import health, markdown, summarize_soak  # noqa: E402
@@ -74,9 +79,39 @@ async def _stream(session, url, body, record: RequestRecord, drop_at: int | None
         return 200
 
 
+ADVERSARIAL = ("slow", "bomb", "oversized")
+# how a slow client ended → the status it stands for (408: the server closed it)
+_SLOW_STATUS = {"closed by server": 408, "held": 0, "refused": 503}
+
+
+async def _adversarial(session, base_url, kind: str, rng: random.Random) -> int:
+    if kind == "slow":
+        return _SLOW_STATUS[await attacks.one_slow_client(base_url, hold_s=300)]
+    if kind == "bomb":
+        return await attacks.one_bomb(session, base_url, {}, rng)
+    return await attacks.one_oversized(session, base_url, {}, 49152)
+
+
+def _kind(draw: float, args) -> str:
+    for kind, fraction in (("invalid", args.invalid_fraction),
+                           ("disconnect", args.disconnect_fraction),
+                           ("slow", args.slow_fraction), ("bomb", args.bomb_fraction),
+                           ("oversized", args.oversized_fraction)):
+        if draw < fraction:
+            return kind
+        draw -= fraction
+    return "normal"
+
+
 async def _one(session, base_url, model, req, kind: str, rng: random.Random) -> dict:
     url = base_url + "/v1/completions"
     record = RequestRecord(prompt_len=req.prompt_len)
+    if kind in ADVERSARIAL:
+        try:
+            status = await _adversarial(session, base_url, kind, rng)
+        except Exception as e:  # noqa: BLE001 - a dropped connection is a refusal too
+            record.error, status = f"{type(e).__name__}"[:200], 499
+        return {"kind": kind, "status": status, "record": record}
     if kind == "invalid":
         async with session.post(url, json={"model": model,
                                            **rng.choice(INVALID_BODIES)}) as resp:
@@ -133,9 +168,7 @@ async def soak(base_url, pid, model, requests, args) -> tuple[list[dict], list[d
                                             t0, samples))
     async with _session() as session:
         while (now := time.perf_counter() - t0) < args.duration_s:
-            draw = rng.random()
-            kind = ("invalid" if draw < args.invalid_fraction else "disconnect"
-                    if draw < args.invalid_fraction + args.disconnect_fraction else "normal")
+            kind = _kind(rng.random(), args)
             tasks.append(asyncio.ensure_future(_one(session, base_url, model,
                                                     rng.choice(requests), kind,
                                                     random.Random(rng.random()))))
@@ -179,6 +212,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--saturation-concurrency", type=int, default=32)
     p.add_argument("--disconnect-fraction", type=float, default=0.05)
     p.add_argument("--invalid-fraction", type=float, default=0.01)
+    p.add_argument("--slow-fraction", type=float, default=0.05)
+    p.add_argument("--bomb-fraction", type=float, default=0.01)
+    p.add_argument("--oversized-fraction", type=float, default=0.01)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--model", default="default")

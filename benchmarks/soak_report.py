@@ -52,18 +52,21 @@ def _rss(samples: list[dict], duration: float) -> dict:
     return out
 
 
+VALID_KINDS = ("normal", "disconnect")  # requests the server must serve (no 5xx)
+
+
 def summarize_soak(results: list[dict], samples: list[dict], final: dict, args: dict,
                    saturation: float | None) -> dict:
     """The JSON report; ``verdict.pass`` is what the soak's exit status follows."""
     duration = args["duration_s"]
     by_kind = {k: [r for r in results if r["kind"] == k]
-               for k in ("normal", "disconnect", "invalid")}
+               for k in ("normal", "disconnect", "invalid", "slow", "bomb", "oversized")}
     statuses: dict[str, int] = {}
     for r in results:
         statuses[str(r["status"])] = statuses.get(str(r["status"]), 0) + 1
-    num_5xx = sum(1 for r in results if r["status"] >= 500)
+    num_5xx = sum(1 for r in results if r["status"] >= 500 and r["kind"] in VALID_KINDS)
     stream_errors = [r["record"].error for r in results
-                     if r["kind"] != "invalid" and r["status"] == 200 and r["record"].error]
+                     if r["kind"] in VALID_KINDS and r["status"] == 200 and r["record"].error]
     failed = [r["record"].error for r in by_kind["normal"] if not r["record"].success]
     quarters = _quarters(results, duration)
     rss = _rss(samples, duration)
@@ -74,6 +77,8 @@ def summarize_soak(results: list[dict], samples: list[dict], final: dict, args: 
                "every_valid_request_completed": not failed,
                "invalid_requests_got_4xx": all(400 <= r["status"] < 500
                                                for r in by_kind["invalid"]),
+               "adversarial_refused": all(400 <= r["status"] < 500 for k in
+                                          ("slow", "bomb", "oversized") for r in by_kind[k]),
                "engine_clean_at_end": clean,
                "memory_flat": all(p["flat"] for p in rss.values())}
     verdict["pass"] = all(verdict.values())
@@ -100,7 +105,9 @@ def markdown(report: dict) -> str:
     lines = [f"# Soak: {s['duration_s']:.0f} s at {report['rate_req_per_s']:.2f} req/s "
              f"({how})", "", f"Model `{s['model']}` ({s['dtype']}), chat-shaped lengths around "
              f"{s['input_len']} in / {s['output_len']} out, "
-             f"{s['disconnect_fraction']:.0%} disconnects, {s['invalid_fraction']:.0%} invalid"
+             f"{s['disconnect_fraction']:.0%} disconnects, {s['invalid_fraction']:.0%} invalid, "
+             f"{s.get('slow_fraction', 0):.0%} slow clients, {s.get('bomb_fraction', 0):.0%} "
+             f"tokenizer bombs, {s.get('oversized_fraction', 0):.0%} oversized parameters"
              + (f", settings {s['set']}" if s["set"] else "") + ".", "",
              f"Requests: {json.dumps(report['num_requests'])}; HTTP statuses "
              f"{json.dumps(report['statuses'])}; 5xx: **{report['num_5xx']}**; "

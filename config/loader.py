@@ -73,6 +73,18 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r} (in {source})", key)
         return tuple(_coerce(v, typing.get_args(tp)[0], key, source) for v in value)
+    if origin is dict:  # dict[str, float]: a YAML mapping, or "a=1,b=2" from env or --set
+        if isinstance(value, str):
+            pairs = [p.split("=", 1) for p in value.split(",") if p.strip()]
+            if not all(len(p) == 2 for p in pairs):
+                raise ConfigError(f"{key}: expected key=value pairs, got {value!r} "
+                                  f"(in {source})", key)
+            value = {k.strip(): _parse_scalar(v.strip()) for k, v in pairs}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r} (in {source})", key)
+        key_type, value_type = typing.get_args(tp)
+        return {_coerce(k, key_type, key, source): _coerce(v, value_type, key, source)
+                for k, v in value.items()}
     ok = {
         bool: lambda v: isinstance(v, bool),
         int: lambda v: isinstance(v, int) and not isinstance(v, bool),

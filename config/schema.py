@@ -6,6 +6,7 @@ error messages and ``folio config`` prints it. Validation lives next to the fiel
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 # The engine's own hard bounds (SamplingParams enforces them); the API's limits may
@@ -214,6 +215,9 @@ class ServicesConfig:
                                "worker (/health 503, the stack stops with exit status 1)")
     drain_timeout_s: float = _f(30.0, "on SIGTERM, how long in-flight requests may take to "
                                 "finish before the stack stops anyway")
+    api_restart_budget: int = _f(5, "API process restarts `folio serve` allows in any 60 s "
+                                 "(an API process that exits is restarted; past the budget "
+                                 "the stack drains and stops)")
 
     def __post_init__(self):
         _check(0 <= self.api_port <= 65535, "services.api_port", "must be in 0..65535")
@@ -225,6 +229,8 @@ class ServicesConfig:
         _check(self.startup_timeout_s > 0, "services.startup_timeout_s", "must be positive")
         _check(self.step_timeout_s > 0, "services.step_timeout_s", "must be positive")
         _check(self.drain_timeout_s >= 0, "services.drain_timeout_s", "must be non-negative")
+        _check(self.api_restart_budget >= 0, "services.api_restart_budget",
+               "must be non-negative")
 
 
 def _is_host_port(value: str) -> bool:
@@ -252,16 +258,26 @@ class APIConfig:
                                f"(at most {ENGINE_MAX_STOP_STRINGS})")
     max_logprobs: int = _f(ENGINE_MAX_LOGPROBS, "most top logprobs per token (at most "
                            f"{ENGINE_MAX_LOGPROBS})")
+    tenant_weights: dict[str, float] = field(default_factory=dict, metadata={
+        "doc": "scheduler.policy fair: weight of each tenant (an API key), keyed by its "
+               "tenant id (`folio tenant-id KEY` prints it); others weigh 1"})
+    header_timeout_s: float = _f(10.0, "seconds a request line and its headers may take "
+                                 "from their first byte (408 and close beyond)")
+    body_timeout_s: float = _f(30.0, "seconds a request body may take from the end of its "
+                               "headers (408 and close beyond)")
+    keepalive_timeout_s: float = _f(15.0, "seconds a connection may sit idle before (or "
+                                    "between) requests before it is closed")
+    max_connections: int = _f(4096, "open client connections per API process; a new one "
+                              "beyond gets 503 and is closed")
+    max_buffered_body_bytes: int = _f(64 * 1024 * 1024, "request-body bytes one API process "
+                                      "holds at once across requests (503 + Retry-After "
+                                      "beyond); at least max_body_bytes")
     max_stop_string_chars: int = _f(1024, "longest stop string in characters")
-    max_stop_token_ids: int = _f(256, "most stop_token_ids per request (the vocabulary "
-                                 "size if that is smaller)")
-    num_tokenizer_threads: int = _f(2, "threads of each API process that tokenize and "
-                                    "render chat templates off its event loop (the "
-                                    "tokenizer releases the GIL while it encodes)")
-    allow_special_tokens_in_content: bool = _f(
-        False, "let special-token text in chat message content (e.g. '<|im_start|>') "
-        "become special tokens; false reads it as plain text, so a message cannot forge "
-        "a turn of another role")
+    max_stop_token_ids: int = _f(256, "most stop_token_ids per request (at most the vocab)")
+    num_tokenizer_threads: int = _f(2, "threads per API process that tokenize and render "
+                                    "chat templates off its event loop")
+    allow_special_tokens_in_content: bool = _f(False, "chat content may write special "
+                                               "tokens ('<|im_start|>'); false: plain text")
 
     def __post_init__(self):
         _check(all(k and k == k.strip() and "," not in k for k in self.api_keys),
@@ -274,9 +290,16 @@ class APIConfig:
                f"must be in 1..{ENGINE_MAX_STOP_STRINGS}")
         _check(0 <= self.max_logprobs <= ENGINE_MAX_LOGPROBS, "api.max_logprobs",
                f"must be in 0..{ENGINE_MAX_LOGPROBS}")
-        _check(self.max_stop_string_chars >= 1, "api.max_stop_string_chars",
-               "must be at least 1")
-        _check(self.max_stop_token_ids >= 0, "api.max_stop_token_ids", "must be non-negative")
+        _check(all(math.isfinite(w) and w > 0 for w in self.tenant_weights.values()),
+               "api.tenant_weights", "weights must be positive numbers")
+        for key in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
+            _check(getattr(self, key) > 0, f"api.{key}", "must be positive")
+        _check(self.max_connections >= 1, "api.max_connections", "must be at least 1")
+        _check(self.max_buffered_body_bytes >= self.max_body_bytes,
+               "api.max_buffered_body_bytes", "must be at least api.max_body_bytes (else "
+               "the largest allowed body could never be read)")
+        _check(self.max_stop_string_chars >= 1, "api.max_stop_string_chars", "must be >= 1")
+        _check(self.max_stop_token_ids >= 0, "api.max_stop_token_ids", "must be >= 0")
         _check(1 <= self.num_tokenizer_threads <= 64, "api.num_tokenizer_threads",
                "must be in 1..64")
 

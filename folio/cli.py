@@ -93,6 +93,14 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_tenant_id(args) -> int:
+    """Print the tenant id of an API key (what ``api.tenant_weights`` is keyed by)."""
+    from services.tenants import key_digest, tenant_id
+    key = args.key if args.key != "-" else sys.stdin.readline().strip()
+    print(tenant_id(key_digest(key)))
+    return 0
+
+
 def cmd_serve(args) -> int:
     """Start worker, engine core and API processes; supervise until SIGTERM/Ctrl-C."""
     from services.launcher import serve
@@ -226,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_argument("--resolved", action="store_true",
                      help="print the resolved tree as YAML (secrets redacted)")
     cfg.set_defaults(func=cmd_config)
+    tid = sub.add_parser("tenant-id", help="the tenant id of an API key (api.tenant_weights)")
+    tid.add_argument("key", help="the API key, or - to read it from stdin (keeps it out of ps)")
+    tid.set_defaults(func=cmd_tenant_id)
     return parser
 
 

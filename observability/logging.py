@@ -1,8 +1,12 @@
-"""structlog set-up: console or JSON lines, level from the YAML observability section."""
+"""structlog set-up: console or JSON lines, level from the YAML observability section,
+and :class:`RateLimitedLog` for events a hostile client can repeat at will."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
+import time
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -31,3 +35,51 @@ def configure_logging(level: str = "info", fmt: str = "console") -> None:
 def get_logger(name: str | None = None):
     """A structlog logger bound to the module name."""
     return structlog.get_logger(name)
+
+
+@dataclass(slots=True)
+class _Kind:
+    message: str = ""
+    fields: dict = field(default_factory=dict)
+    num_pending: int = 0  # events not yet in a log line
+    next_at: float = 0.0  # monotonic time before which no line is written
+    handle: asyncio.TimerHandle | None = None
+
+
+class RateLimitedLog:
+    """At most one warning line per event kind per ``interval_s``, none of them lost.
+
+    The first event of a kind is logged at once. Later ones within the interval are
+    only counted; one line at the interval's end reports them (``num_events``), so a
+    flood costs one line per kind per interval. Without a running event loop the
+    pending count waits for the kind's next event.
+    """
+
+    def __init__(self, logger, interval_s: float = 10.0):
+        self._logger, self.interval_s = logger, interval_s
+        self._kinds: dict[str, _Kind] = {}
+
+    def event(self, kind: str, message: str, **fields) -> None:
+        state = self._kinds.setdefault(kind, _Kind())
+        state.message, state.fields = message, fields
+        state.num_pending += 1
+        now = time.monotonic()
+        if now >= state.next_at:
+            self._flush(kind)
+        elif state.handle is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            state.handle = loop.call_later(state.next_at - now, self._flush, kind)
+
+    def _flush(self, kind: str) -> None:
+        state = self._kinds[kind]
+        if state.handle is not None:
+            state.handle.cancel()
+            state.handle = None
+        if state.num_pending:
+            self._logger.warning(state.message, kind=kind, num_events=state.num_pending,
+                                 **state.fields)
+            state.num_pending = 0
+            state.next_at = time.monotonic() + self.interval_s

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import ctypes
 import os
+import shutil
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -31,6 +32,9 @@ from model_files.paths import served_model_name
 from observability.logging import configure_logging, get_logger
 
 SUPERVISOR_ENV = "FOLIO_SUPERVISOR_PID"
+# Set when `folio serve` made the socket folder: if the supervisor dies (SIGKILL), the
+# first child to exit removes the folder, so that no exit path leaves it behind.
+OWNED_SOCKET_DIR_ENV = "FOLIO_OWNED_SOCKET_DIR"
 # After the engine core goes away an API process keeps answering 503 this long (so that
 # open streams get their error event) before it exits; the launcher waits for that.
 ENGINE_LOSS_GRACE_S = 2.0
@@ -95,11 +99,30 @@ def _die_with_supervisor() -> None:
         sys.exit(1)
 
 
+def _orphaned() -> bool:
+    """Whether this process ran under `folio serve` and the supervisor is gone."""
+    supervisor = os.environ.get(SUPERVISOR_ENV)
+    return bool(supervisor) and os.getppid() != int(supervisor)
+
+
+def _remove_orphaned_socket_dir() -> None:
+    folder = os.environ.get(OWNED_SOCKET_DIR_ENV)
+    if folder and _orphaned():
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def run_service(name: str, serve: Serve, parser: argparse.ArgumentParser,
                 argv: list[str] | None = None) -> int:
     """Parse arguments, load the config and run ``serve`` under uvloop; the exit status."""
     args = parser.parse_args(argv)
     _die_with_supervisor()
+    try:
+        return _run_service(name, serve, args)
+    finally:
+        _remove_orphaned_socket_dir()
+
+
+def _run_service(name: str, serve: Serve, args: argparse.Namespace) -> int:
     try:
         config = load_config(args.config, parse_set_overrides(args.overrides))
     except ConfigError as e:

@@ -6,12 +6,20 @@
 
 All children start at once (each retries its peer's socket), then the supervisor waits
 for each one's /health in dependency order. The API port is bound here and the
-listening socket handed to every API process, so a port in use fails before anything
-loads and several API processes share one port. Children run in their own sessions
-(Ctrl-C reaches only the supervisor, which then drains in order) and die with the
-supervisor even if it is SIGKILLed (PR_SET_PDEATHSIG, see services/entrypoint.py).
+listening socket handed to every API process (and kept, so that a restarted one gets
+it too): a port in use fails before anything loads and several API processes share one
+port. Children run in their own sessions (Ctrl-C reaches only the supervisor, which
+then drains in order) and die with the supervisor even if it is SIGKILLed
+(PR_SET_PDEATHSIG, see services/entrypoint.py).
 
-Exit status: 0 after a drain, 1 when any service died or failed to start (the message
+Supervision: an API process that exits or dies is restarted, within
+``services.api_restart_budget`` restarts a minute, while the others keep serving; past
+the budget the stack drains and stops. The engine core's or the worker's death stops
+the stack at once (they hold every request's state). SIGTERM, SIGINT and SIGHUP drain.
+The socket folder `folio serve` made is removed on every exit path: by the supervisor,
+or, if the supervisor was killed, by whichever child exits first.
+
+Exit status: 0 after a drain, 1 when a service died or failed to start (the message
 names it), 2 for a config error.
 """
 from __future__ import annotations
@@ -23,15 +31,19 @@ import signal
 import socket
 import sys
 import tempfile
-from dataclasses import dataclass, replace
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
 
 from config.schema import FolioConfig
 from services.endpoints import api_admin_endpoint, engine_core_endpoint, worker_endpoint
-from services.entrypoint import ENGINE_LOSS_GRACE_S, SUPERVISOR_ENV, first_completed
+from services.entrypoint import (ENGINE_LOSS_GRACE_S, OWNED_SOCKET_DIR_ENV, SUPERVISOR_ENV,
+                                 first_completed)
 from services.transport import Endpoint, probe_health
 
 STOP_GRACE_S = 10.0  # after SIGTERM, how long a child may take before SIGKILL
 HEALTH_POLL_S = 0.2
+RESTART_WINDOW_S = 60.0  # services.api_restart_budget counts restarts in this window
 
 
 class ServiceDied(RuntimeError):
@@ -40,11 +52,37 @@ class ServiceDied(RuntimeError):
 
 @dataclass(slots=True)
 class ServiceProcess:
-    """One child: its name, health endpoint and process."""
+    """One child: its name, health endpoint, how to start it, and its process."""
 
     name: str
     health: Endpoint
+    module: str
+    extra_args: tuple[str, ...] = ()
+    pass_fds: tuple[int, ...] = ()
     process: asyncio.subprocess.Process | None = None
+
+    @property
+    def is_api(self) -> bool:
+        return self.module == "services.api"
+
+
+@dataclass(slots=True)
+class RestartBudget:
+    """At most ``limit`` restarts in any ``window_s`` seconds."""
+
+    limit: int
+    window_s: float = RESTART_WINDOW_S
+    _times: deque = field(default_factory=deque)
+
+    def take(self) -> bool:
+        """Spend one restart now if the budget allows it."""
+        now = time.monotonic()
+        while self._times and now - self._times[0] > self.window_s:
+            self._times.popleft()
+        if len(self._times) >= self.limit:
+            return False
+        self._times.append(now)
+        return True
 
 
 class Launcher:
@@ -63,6 +101,8 @@ class Launcher:
         self.config = config
         self.children: list[ServiceProcess] = []
         self._stop = asyncio.Event()
+        self._api_sock: socket.socket | None = None
+        self._restarts = RestartBudget(config.services.api_restart_budget)
 
     def _say(self, text: str) -> None:
         print(f"[folio] {text}", file=self.out, flush=True)
@@ -77,17 +117,20 @@ class Launcher:
         sock.set_inheritable(True)
         return sock
 
-    async def _spawn(self, child: ServiceProcess, module: str, *extra: str,
-                     pass_fds: tuple[int, ...] = ()) -> None:
-        argv = [sys.executable, "-m", module]
+    async def _spawn(self, child: ServiceProcess) -> None:
+        argv = [sys.executable, "-m", child.module]
         if self.config_path:
             argv += ["--config", self.config_path]
         for override in self.overrides:
             argv += ["--set", override]
         env = dict(os.environ, **{SUPERVISOR_ENV: str(os.getpid())})
+        if self._own_socket_dir:
+            env[OWNED_SOCKET_DIR_ENV] = self.config.services.socket_dir
         child.process = await asyncio.create_subprocess_exec(
-            *argv, *extra, env=env, pass_fds=pass_fds, start_new_session=True)
-        self.children.append(child)
+            *argv, *child.extra_args, env=env, pass_fds=child.pass_fds,
+            start_new_session=True)
+        if child not in self.children:
+            self.children.append(child)
 
     async def _wait_healthy(self, child: ServiceProcess, deadline: float) -> None:
         loop = asyncio.get_running_loop()
@@ -106,20 +149,18 @@ class Launcher:
 
     async def _start(self) -> str:
         services = self.config.services
-        api_sock = self._bind_api_socket()
-        try:
-            host, port = api_sock.getsockname()[:2]
-            await self._spawn(ServiceProcess("worker", worker_endpoint(services)),
-                              "services.worker_service")
-            await self._spawn(ServiceProcess("engine-core", engine_core_endpoint(services)),
-                              "services.engine_core_service")
-            for i in range(services.num_api_servers):
-                await self._spawn(ServiceProcess(f"api-{i}", api_admin_endpoint(services, i)),
-                                  "services.api", "--index", str(i),
-                                  "--listen-fd", str(api_sock.fileno()),
-                                  pass_fds=(api_sock.fileno(),))
-        finally:
-            api_sock.close()  # the API processes hold their own copies
+        # kept open until the end: a restarted API process gets the same socket
+        self._api_sock = api_sock = self._bind_api_socket()
+        host, port = api_sock.getsockname()[:2]
+        await self._spawn(ServiceProcess("worker", worker_endpoint(services),
+                                         "services.worker_service"))
+        await self._spawn(ServiceProcess("engine-core", engine_core_endpoint(services),
+                                         "services.engine_core_service"))
+        fd = api_sock.fileno()
+        for i in range(services.num_api_servers):
+            await self._spawn(ServiceProcess(
+                f"api-{i}", api_admin_endpoint(services, i), "services.api",
+                ("--index", str(i), "--listen-fd", str(fd)), pass_fds=(fd,)))
         deadline = asyncio.get_running_loop().time() + services.startup_timeout_s
         for child in self.children:
             await self._wait_healthy(child, deadline)
@@ -146,11 +187,12 @@ class Launcher:
             await asyncio.gather(*(c.process.wait() for c in live))
 
     async def _stop_after_death(self, died: ServiceProcess) -> None:
-        """Stop the core services at once; API processes first answer 503 for a moment
-        and end open streams with an error event, then exit by themselves."""
-        apis = [c for c in self.children if c.name.startswith("api-")]
-        if died in apis:
-            await self._terminate(self.children, STOP_GRACE_S)
+        """An API process past its restart budget: drain the rest. The engine core or
+        the worker: stop the core services at once; API processes first answer 503 for a
+        moment and end open streams with an error event, then exit by themselves."""
+        apis = [c for c in self.children if c.is_api]
+        if died.is_api:
+            await self._drain()
             return
         await self._terminate([c for c in self.children if c not in apis], STOP_GRACE_S)
         try:
@@ -162,15 +204,20 @@ class Launcher:
 
     async def _drain(self) -> None:
         """APIs first (they finish in-flight requests), then the engine core and worker."""
-        apis = [c for c in self.children if c.name.startswith("api-")]
+        apis = [c for c in self.children if c.is_api]
         self._say("draining: new requests get 503, in-flight requests finish")
         await self._terminate(apis, self.config.services.drain_timeout_s + STOP_GRACE_S)
         await self._terminate([c for c in self.children if c not in apis], STOP_GRACE_S)
 
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if sig == signal.SIGHUP:  # a config reload will take this over; until then: drain
+            self._say("SIGHUP: draining")
+        self._stop.set()
+
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stop.set)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.add_signal_handler(sig, self._on_signal, sig)
         try:
             try:
                 url = await self._start()
@@ -184,18 +231,34 @@ class Launcher:
             self._say(f"API listening on {url} (model {self._model_name()}); "
                       f"{self.config.services.num_api_servers} API process(es); "
                       f"Ctrl-C drains and stops")
+            return await self._supervise()
+        finally:
+            if self._api_sock is not None:
+                self._api_sock.close()
+            if self._own_socket_dir:
+                shutil.rmtree(self.config.services.socket_dir, ignore_errors=True)
+
+    async def _supervise(self) -> int:
+        """Until a stop signal (drain, 0) or a death the stack cannot survive (1)."""
+        while True:
             died = await self._first_exit()
             if died is None:
                 await self._drain()
                 self._say("stopped")
                 return 0
-            self._say(f"{died.name} died (exit status {died.process.returncode}); "
-                      f"stopping the other services")
+            status = died.process.returncode
+            if died.is_api and self._restarts.take():
+                self._say(f"{died.name} exited (status {status}); restarting it")
+                await self._spawn(died)
+                continue
+            if died.is_api:
+                self._say(f"{died.name} exited (status {status}) and the restart budget "
+                          f"(services.api_restart_budget) is spent; stopping")
+            else:
+                self._say(f"{died.name} died (exit status {status}); stopping the other "
+                          f"services")
             await self._stop_after_death(died)
             return 1
-        finally:
-            if self._own_socket_dir:
-                shutil.rmtree(self.config.services.socket_dir, ignore_errors=True)
 
     def _model_name(self) -> str:
         from model_files.paths import served_model_name

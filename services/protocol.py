@@ -24,7 +24,7 @@ from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler_output import SchedulerOutput
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 class ProtocolError(ValueError):
@@ -43,6 +43,8 @@ class AddRequest:
     cache_salt: str | None = None
     lora_id: int = 0
     traceparent: str | None = None
+    tenant: str | None = None  # the API key's tenant id (scheduler.policy fair)
+    tenant_weight: float = 1.0
 
 
 @dataclass(slots=True)

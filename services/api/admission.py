@@ -3,13 +3,19 @@
 A generation request (a POST under ``/v1/``) is refused before its body is read or
 tokenized while the process drains (503 shutting_down) or while the engine core last
 said its queue is full (503 queue_full; the engine core re-checks every add, this is
-only the cheap early answer). Admitted requests are counted in flight, so a drain can
-wait for them to finish. Authentication runs before this (services/api/auth.py): a
-caller without a key learns nothing, not even that the server is busy.
+only the cheap early answer). The same check answers ``Expect: 100-continue``.
+
+A request counts in flight only from the moment its body has been read and checked
+(``admitted``), so a drain waits for the generations it promised, never for a client
+that trickles a body (the body timeout ends those). Authentication runs before this
+(services/api/auth.py): a caller without a key learns nothing, not even that the
+server is busy.
 """
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 
 from aiohttp import web
 
@@ -53,16 +59,27 @@ class Admission:
             raise QueueFull(f"the server is at capacity ({queue.num_waiting} requests "
                             f"queued); retry later")
 
-    @web.middleware
-    async def middleware(self, request: web.Request, handler) -> web.StreamResponse:
-        if not is_generation(request):
-            return await handler(request)
+    def check_request(self, request: web.BaseRequest) -> None:
+        """``check`` for a generation request; nothing for the other routes."""
+        if is_generation(request):
+            self.check()
+
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        """Count one generation request (its body read) in flight while it runs; the
+        503 first if the drain began or the queue filled while the body was read."""
         self.check()
         self.num_in_flight += 1
         self._idle.clear()
         try:
-            return await handler(request)
+            yield
         finally:
             self.num_in_flight -= 1
             if self.num_in_flight == 0:
                 self._idle.set()
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        """The early 503, before the body is read (see the module docstring)."""
+        self.check_request(request)
+        return await handler(request)

@@ -1,10 +1,13 @@
 """The OpenAI-compatible HTTP API (aiohttp): the routes of one API process.
 
-    request ─▶ auth (auth.py) ─▶ errors (errors.py) ─▶ admission (admission.py) ─▶ route
-A completion or chat route validates its body (request_validation.py) and hands it to
-a :class:`Generation` (generation.py), which tokenizes (on the process's tokenizer
-threads, tokenizer_pool.py), runs and answers it; the other routes answer from the
-tokenizer or the engine core's gauges.
+    connection (connection_handler.py: deadlines, framing; connection_guard.py: cap)
+    ─▶ [Expect: 100-continue (expect_continue.py)]
+    ─▶ auth (auth.py) ─▶ errors (errors.py) ─▶ admission (admission.py) ─▶ route
+A completion or chat route reads its body within the process's body budget
+(body_budget.py), validates it (request_validation.py) and, counted in flight from
+then on, hands it to a :class:`Generation` (generation.py), which tokenizes (on the
+process's tokenizer threads, tokenizer_pool.py), runs and answers it; the other routes
+answer from the tokenizer or the engine core's gauges.
 """
 from __future__ import annotations
 
@@ -15,13 +18,17 @@ from aiohttp import web
 
 from config.schema import APIConfig
 from services.api.admission import Admission
-from services.api.auth import CACHE_SALT, APIKeys, auth_middleware
+from services.api.api_metrics import APIMetrics
+from services.api.auth import CACHE_SALT, TENANT, APIKeys, Authenticator
+from services.api.body_budget import BodyBudget
+from services.api.connection_guard import CONNECTION_GUARD, ConnectionGuard
 from services.api.engine_client import EngineClient, EngineDead
 from services.api.errors import error_middleware
+from services.api.expect_continue import ExpectContinue
 from services.api.generation import Generation
 from services.api.openai_protocol import APIError, unavailable
 from services.api.openapi import openapi_document
-from services.api.request_body import parse_json_object, read_body
+from services.api.request_body import check_declared_size, parse_json_object, read_body
 from services.api.request_validation import RequestValidator, ValidationLimits, check_model
 from services.api.token_routes import TokenRoutes
 from services.api.tokenizer_pool import TokenizerPool
@@ -49,39 +56,53 @@ class APIServer:
             facts.vocab_size if facts is not None else tokenizer.vocab_size,
             tokenizer.token_span))
         self.admission = Admission(engine)
+        self.body_budget = BodyBudget(self.api.max_buffered_body_bytes)
+        self.connections = ConnectionGuard(self.api)
+        self.api_metrics = APIMetrics(self.connections, self.body_budget)
         self.tokens = TokenizerPool(tokenizer, self.api.num_tokenizer_threads,
                                     self.api.allow_special_tokens_in_content)
 
     def app(self) -> web.Application:
         public = {"/health", "/metrics"} if self.api.public_metrics else {"/health"}
+        auth = Authenticator(self.api_keys, public)
         # auth first: a caller without a key learns nothing, not even that we are busy
-        app = web.Application(middlewares=[auth_middleware(self.api_keys, public),
-                                           error_middleware, self.admission.middleware],
+        app = web.Application(middlewares=[auth.middleware, error_middleware,
+                                           self.admission.middleware],
                               client_max_size=self.api.max_body_bytes)
         app.on_cleanup.append(self._close)
-        app.router.add_get("/openapi.json", self.openapi)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_post("/v1/chat/completions", self.chat_completions)
-        app.router.add_get("/v1/models", self.models)
-        TokenRoutes(self.tokens, self.validator, self._body).add_to(app.router)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/version", self.version)
-        app.router.add_get("/metrics", self.metrics)
+        app[CONNECTION_GUARD] = self.connections
+        # Expect: 100-continue runs before the middlewares: the same checks, in order
+        expect = ExpectContinue([
+            auth.check, self.admission.check_request,
+            lambda request: check_declared_size(request, self.api.max_body_bytes),
+            self.body_budget.check_request]).handle
+        for path, handler in (("/v1/completions", self.completions),
+                              ("/v1/chat/completions", self.chat_completions)):
+            app.router.add_post(path, handler, expect_handler=expect)
+        for path, handler in (("/openapi.json", self.openapi), ("/v1/models", self.models),
+                              ("/health", self.health), ("/version", self.version),
+                              ("/metrics", self.metrics)):
+            app.router.add_get(path, handler, expect_handler=expect)
+        TokenRoutes(self.tokens, self.validator, self._body).add_to(app.router, expect)
         return app
 
     async def _close(self, app: web.Application) -> None:
         self.tokens.close()
 
     async def _body(self, request) -> dict:
-        body = parse_json_object(await read_body(request, self.api.max_body_bytes))
+        with self.body_budget.reservation() as reservation:
+            raw = await read_body(request, self.api.max_body_bytes, reservation)
+            body = parse_json_object(raw)
         check_model(body, self.model_name)
         return body
 
     def _generation(self, request: web.Request, checked, chat: bool) -> Generation:
+        tenant = request.get(TENANT)
         return Generation.start(request, checked, chat, engine=self.engine,
                                 tokenizer=self.tokenizer, validator=self.validator,
                                 model_name=self.model_name, tracer=self.tracer,
-                                cache_salt=request.get(CACHE_SALT))
+                                cache_salt=request.get(CACHE_SALT), tenant=tenant,
+                                tenant_weight=self.api.tenant_weights.get(tenant, 1.0))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         checked = self.validator.completion(await self._body(request))
@@ -90,7 +111,9 @@ class APIServer:
         async def tokenize() -> list[int]:  # a text prompt passed the character bound
             return await self.tokens.encode(prompt) if isinstance(prompt, str) else prompt
 
-        return await self._generation(request, checked, chat=False).respond(request, tokenize)
+        with self.admission.admitted():
+            return await self._generation(request, checked, chat=False).respond(
+                request, tokenize)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         checked = self.validator.chat(await self._body(request))
@@ -100,7 +123,9 @@ class APIServer:
                 checked.messages, checked.add_generation_prompt,
                 lambda text: self.validator.check_prompt_text(text, "messages"))
 
-        return await self._generation(request, checked, chat=True).respond(request, tokenize)
+        with self.admission.admitted():
+            return await self._generation(request, checked, chat=True).respond(
+                request, tokenize)
 
     async def models(self, request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
@@ -122,7 +147,8 @@ class APIServer:
                                   "api": {"num_in_flight": self.admission.num_in_flight}})
 
     async def metrics(self, request) -> web.Response:
-        """Prometheus text: the engine core's metrics, the same from every API process."""
+        """Prometheus text: the engine core's metrics, the same from every API process,
+        then this process's own (api_metrics.py)."""
         if not self.enable_metrics:
             raise APIError(404, "metrics are off (observability.enable_metrics)",
                            "not_found_error")
@@ -130,7 +156,9 @@ class APIServer:
             text = await self.engine.metrics()
         except (EngineDead, asyncio.TimeoutError):
             raise unavailable("the engine core is unavailable")
-        return web.Response(text=text, content_type="text/plain",
+        if text and not text.endswith("\n"):
+            text += "\n"
+        return web.Response(text=text + self.api_metrics.render(), content_type="text/plain",
                             headers={"X-Prometheus-Format": "0.0.4"})
 
     async def version(self, request) -> web.Response:

@@ -84,16 +84,18 @@ class EngineClient:
                 waiter.set_exception(EngineDead("the engine core went away"))
 
     async def add(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                  traceparent: str | None = None,
-                  cache_salt: str | None = None) -> asyncio.Queue:
-        """Send a request; ``cache_salt`` (the tenant's, from auth) keys its cache blocks."""
+                  traceparent: str | None = None, cache_salt: str | None = None,
+                  tenant: str | None = None, tenant_weight: float = 1.0) -> asyncio.Queue:
+        """Send a request; ``cache_salt`` (the tenant's, from auth) keys its cache blocks,
+        ``tenant`` and its weight are what the fair scheduler shares by."""
         if not self.alive:
             raise EngineDead("the engine core is not reachable")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[req_id] = queue
         await self._link.send(AddRequest(req_id, prompt_token_ids, params, self.client_id,
                                          time.time(), cache_salt=cache_salt,
-                                         traceparent=traceparent))
+                                         traceparent=traceparent, tenant=tenant,
+                                         tenant_weight=tenant_weight))
         return queue
 
     async def abort(self, req_ids: list[str]) -> None:

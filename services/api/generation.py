@@ -49,6 +49,8 @@ class Generation:
     trace: RequestTrace
     req_id: str
     cache_salt: str | None = None
+    tenant: str | None = None  # the API key's tenant id, None without keys
+    tenant_weight: float = 1.0
     created: int = field(default_factory=lambda: int(time.time()))
     state: RequestState | None = None
 
@@ -102,7 +104,8 @@ class Generation:
         """Send the request to the engine; yield each sample's deltas until all ended."""
         params = self.checked.params
         queue = await self.engine.add(self.req_id, prompt_token_ids, params,
-                                      self.trace.traceparent, cache_salt=self.cache_salt)
+                                      self.trace.traceparent, cache_salt=self.cache_salt,
+                                      tenant=self.tenant, tenant_weight=self.tenant_weight)
         child_ids = ([self.req_id] if params.n == 1
                      else [f"{i}_{self.req_id}" for i in range(params.n)])
         self.state = state = RequestState(self.tokenizer, self.req_id, None,

@@ -6,6 +6,7 @@ cut at 1000 characters, so an error body stays small whatever the request held.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -18,6 +19,7 @@ class APIError(Exception):
     type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
+    headers: Mapping[str, str] | None = None  # extra response headers (Retry-After, ...)
 
     def body(self) -> dict:
         param = self.param[:100] if self.param is not None else None  # may be a body key

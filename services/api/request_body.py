@@ -1,11 +1,14 @@
 """Reading a request body into a JSON object, never trusting its size or its bytes.
 
 The body is read only after its declared size passed (413 before a byte is read) and
-never past ``max_body_bytes`` even without a Content-Length (chunked uploads). Then it
-must be UTF-8 JSON whose top level is an object. ``NaN`` and ``Infinity`` parse to
-non-finite floats on purpose, so the field check that meets one names its ``param``;
-strings holding lone surrogates (``"\\ud800"``, valid JSON but not text) are refused
-with the top-level field that holds them, before a tokenizer could choke on them.
+the process's body budget took it (503, body_budget.py), and never past
+``max_body_bytes`` even without a Content-Length (chunked uploads). Then it must be
+UTF-8 JSON whose top level is an object. ``NaN`` and ``Infinity`` parse to non-finite
+floats on purpose, so the field check that meets one names its ``param``; strings
+holding lone surrogates (``"\\ud800"``, valid JSON but not text) are refused with the
+top-level field that holds them, before a tokenizer could choke on them. A key twice in
+one object, at any depth, is refused naming it: JSON leaves its meaning open and
+parsers disagree on which value wins, so a proxy and Folio could read two requests.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from services.api.body_budget import BodyReservation
 from services.api.openai_protocol import APIError, bad
 
 
@@ -29,9 +33,12 @@ def check_declared_size(request: web.BaseRequest, max_body_bytes: int) -> None:
         raise too_large(max_body_bytes)
 
 
-async def read_body(request: web.BaseRequest, max_body_bytes: int) -> bytes:
-    """The raw body, read in chunks and abandoned as soon as it passes the limit."""
+async def read_body(request: web.BaseRequest, max_body_bytes: int,
+                    reservation: BodyReservation) -> bytes:
+    """The raw body, read in chunks and abandoned as soon as it passes the limit; every
+    byte is held in ``reservation`` before it is read (the declared length at once)."""
     check_declared_size(request, max_body_bytes)
+    reservation.hold(request.content_length or 0)
     chunks, size = [], 0
     while True:
         chunk = await request.content.readany()
@@ -40,6 +47,7 @@ async def read_body(request: web.BaseRequest, max_body_bytes: int) -> bytes:
         size += len(chunk)
         if size > max_body_bytes:
             raise too_large(max_body_bytes)
+        reservation.hold(size)  # a chunked body grows its share as it arrives
         chunks.append(chunk)
 
 
@@ -54,7 +62,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise bad("the body is not valid UTF-8") from None
     try:
-        body = json.loads(text, parse_constant=_non_finite)
+        body = json.loads(text, parse_constant=_non_finite, object_pairs_hook=_object)
     except RecursionError:
         raise bad("the body is nested too deeply") from None
     except ValueError:  # JSONDecodeError, or an integer with too many digits
@@ -66,6 +74,20 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
             raise bad("strings must be valid Unicode (no lone surrogates)",
                       key if _is_text(key) else None)
     return body
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """One JSON object; 400 naming the first key that appears twice in it."""
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                # json.dumps: an ASCII-safe quote, even of a lone surrogate
+                raise bad(f"duplicate key {json.dumps(key[:100])} in a JSON object",
+                          key if _is_text(key) else None)
+            seen.add(key)
+    return obj
 
 
 def _is_text(s: str) -> bool:

@@ -27,9 +27,9 @@ class TokenRoutes:
         self.tokens, self.validator, self.read_body = tokens, validator, read_body
         self.max_model_len = validator.limits.max_model_len
 
-    def add_to(self, router: web.UrlDispatcher) -> None:
-        router.add_post("/tokenize", self.tokenize)
-        router.add_post("/detokenize", self.detokenize)
+    def add_to(self, router: web.UrlDispatcher, expect_handler=None) -> None:
+        router.add_post("/tokenize", self.tokenize, expect_handler=expect_handler)
+        router.add_post("/detokenize", self.detokenize, expect_handler=expect_handler)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         """``{"prompt": str}`` or ``{"messages": [...]}`` → token ids."""

@@ -168,7 +168,8 @@ class EngineCoreService:
             try:
                 sample_ids = self.engine.add_request(
                     message.req_id, message.prompt_token_ids, message.sampling_params,
-                    cache_salt=message.cache_salt, lora_id=message.lora_id)
+                    cache_salt=message.cache_salt, lora_id=message.lora_id,
+                    tenant=message.tenant, tenant_weight=message.tenant_weight)
             except InvalidRequestError as e:
                 await send_to_client(link, RequestRejected(message.req_id, str(e), e.param))
                 continue

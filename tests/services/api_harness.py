@@ -33,15 +33,18 @@ class FakeEngine:
     # replaces the default answer: (req_id, params) → the outputs to deliver, in order
     script: object | None = None
     aborted: list = field(default_factory=list)
+    tenants: list = field(default_factory=list)  # (tenant, weight) of each add
     queue_state: QueueState = field(default_factory=lambda: QueueState(is_full=False))
 
     def __post_init__(self):
         self.dead = asyncio.Event()
 
-    async def add(self, req_id, ids, params, traceparent=None, cache_salt=None):
+    async def add(self, req_id, ids, params, traceparent=None, cache_salt=None,
+                  tenant=None, tenant_weight=1.0):
         if self.fail_with is not None:
             raise self.fail_with
         self.added.append((req_id, list(ids), params, cache_salt))
+        self.tenants.append((tenant, tenant_weight))
         queue: asyncio.Queue = asyncio.Queue()
         if self.script is not None:
             for out in self.script(req_id, params):

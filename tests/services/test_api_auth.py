@@ -201,3 +201,40 @@ def test_bad_keys_in_the_yaml_are_config_errors(bad):
     from config.schema import ConfigError
     with pytest.raises(ConfigError, match="api.api_keys"):
         APIConfig(api_keys=tuple(bad))
+
+
+def test_each_key_is_a_tenant_with_its_configured_weight(smollm_tokenizer):
+    """The fair scheduler's tenant: a stable public id per key, and its weight from
+    api.tenant_weights (1 for keys it does not name); no keys, no tenant."""
+    from services.tenants import key_digest, tenant_id
+    tenant_a, tenant_b = tenant_id(key_digest(KEY_A)), tenant_id(key_digest(KEY_B))
+    assert tenant_a != tenant_b and KEY_A not in tenant_a
+
+    async def main():
+        api = APIConfig(tenant_weights={tenant_a: 3.0})
+        async with api_server(smollm_tokenizer, api, keys=(KEY_A, KEY_B)) as (url, engine):
+            async with aiohttp.ClientSession() as s:
+                for key in (KEY_A, KEY_B):
+                    async with s.post(url + "/v1/completions", json=BODY,
+                                      headers=bearer(key)) as r:
+                        assert r.status == 200
+            assert engine.tenants == [(tenant_a, 3.0), (tenant_b, 1.0)]
+        async with api_server(smollm_tokenizer) as (url, engine):
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/v1/completions", json=BODY) as r:
+                    assert r.status == 200
+            assert engine.tenants == [(None, 1.0)]
+
+    run(main())
+
+
+def test_tenant_weights_from_yaml_env_and_set(tmp_path, monkeypatch):
+    path = tmp_path / "c.yaml"
+    path.write_text("api:\n  tenant_weights: {t-aaa: 2, t-bbb: 0.5}\n")
+    assert load_config(path).api.tenant_weights == {"t-aaa": 2.0, "t-bbb": 0.5}
+    monkeypatch.setenv("FOLIO_API__TENANT_WEIGHTS", "t-ccc=4")
+    assert load_config(None).api.tenant_weights == {"t-ccc": 4.0}
+    monkeypatch.delenv("FOLIO_API__TENANT_WEIGHTS")
+    path.write_text("api:\n  tenant_weights: {t-aaa: 0}\n")
+    with pytest.raises(Exception, match="api.tenant_weights"):
+        load_config(path)

@@ -1,0 +1,163 @@
+"""Issue 14's load check: a well-behaved client under attack, and tenant fairness.
+
+For each attack (benchmarks/attacks.py) a `folio serve` stack with API keys on and
+default limits serves a victim tenant's 16-token streaming requests, one after another,
+before the attack (unloaded) and while it runs; a watcher polls /health every 20 ms
+throughout. The report gives the victim's p50/p99 TTFT unloaded and under attack, their
+ratio (target: p99 within 2x), and the slowest /health answer (target: 100 ms).
+
+Fairness: tenant A floods 64 heavy requests (512-token prompts, 128 tokens out) and
+tenant B sends 16-token requests meanwhile; B's TTFT against its unloaded TTFT, under
+`scheduler.policy: fcfs` and `fair` (target for fair: within 3x).
+
+    .venv/bin/python benchmarks/hostile_clients.py --json benchmarks/results/hostile_clients.json
+    .venv/bin/python benchmarks/hostile_clients.py --attacks slowloris --no-fairness
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import attacks  # noqa: E402
+from benchmarks.serve_stack import serving  # noqa: E402
+
+VICTIM, ATTACKER = "sk-bench-victim-0123456789", "sk-bench-attacker-9876543210"
+PROMPT = "Write one short sentence about the sea."
+ATTACKS = ("bombs", "slowloris", "slow_bodies", "health_flood", "stop_ids")
+
+
+def bearer(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+async def ttfts(url: str, key: str, num: int, prompt=PROMPT) -> list[float]:
+    """``num`` sequential 16-token streaming requests; the time to each first token."""
+    out = []
+    async with aiohttp.ClientSession() as s:
+        for _ in range(num):
+            t0 = time.perf_counter()
+            async with s.post(url + "/v1/completions", headers=bearer(key), json={
+                    "prompt": prompt, "max_tokens": 16, "temperature": 0, "stream": True,
+                    "ignore_eos": True}) as r:
+                assert r.status == 200, f"victim got HTTP {r.status}"
+                first = None
+                async for line in r.content:
+                    if first is None and line.startswith(b"data: {"):
+                        first = time.perf_counter() - t0
+            out.append(first)
+    return out
+
+
+async def watch_health(url: str, stop: asyncio.Event, latencies: list[float]) -> None:
+    async with aiohttp.ClientSession() as s:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            async with s.get(url + "/health") as r:
+                await r.read()
+                if r.status != 200:
+                    latencies.append(float("inf"))
+                    continue
+            latencies.append(time.perf_counter() - t0)
+            await asyncio.sleep(0.02)
+
+
+async def run_attack(url: str, name: str, num: int) -> dict:
+    """The victim unloaded, then while the attack runs in a process of its own (so that
+    the attacker's client work never delays the victim's client)."""
+    stop_watch, health = asyncio.Event(), []
+    watcher = asyncio.ensure_future(watch_health(url, stop_watch, health))
+    unloaded = await ttfts(url, VICTIM, num)
+    attacker = await asyncio.create_subprocess_exec(
+        sys.executable, str(REPO / "benchmarks" / "attacks.py"), name, url, ATTACKER,
+        stdout=asyncio.subprocess.PIPE)
+    await asyncio.sleep(3.0)  # let the attack reach its steady state
+    loaded = await ttfts(url, VICTIM, num)
+    attacker.terminate()
+    out, _ = await asyncio.wait_for(attacker.communicate(), 120)
+    done = int(out.strip() or -1)
+    stop_watch.set()
+    await watcher
+    result = {"attack": name, "attack_count": done,
+              "ttft_unloaded_p50_s": statistics.median(unloaded),
+              "ttft_unloaded_p99_s": percentile(unloaded, 0.99),
+              "ttft_attacked_p50_s": statistics.median(loaded),
+              "ttft_attacked_p99_s": percentile(loaded, 0.99),
+              "health_max_s": max(health), "health_p99_s": percentile(health, 0.99),
+              "health_samples": len(health)}
+    result["ttft_p99_ratio"] = result["ttft_attacked_p99_s"] / result["ttft_unloaded_p99_s"]
+    result["pass"] = result["ttft_p99_ratio"] <= 2.0 and result["health_max_s"] <= 0.1
+    return result
+
+
+async def run_fairness(url: str, num: int, tokenizer) -> dict:
+    ids = tokenizer.encode("The history of the sea " * 200)[:512]
+    unloaded = await ttfts(url, VICTIM, num)
+    flood = asyncio.ensure_future(attacks.heavy_tenant(url, bearer(ATTACKER), ids, 64, 128))
+    await asyncio.sleep(2.0)
+    loaded = await ttfts(url, VICTIM, num)
+    await flood
+    return {"ttft_unloaded_p50_s": statistics.median(unloaded),
+            "ttft_loaded_p50_s": statistics.median(loaded),
+            "ttft_loaded_max_s": max(loaded),
+            "ratio_p50": statistics.median(loaded) / statistics.median(unloaded)}
+
+
+def cpu_info() -> dict:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    flags = fields.get("Flags", "").split()
+    return {"model": fields.get("Model name", platform.processor()).strip(),
+            "flags": [f for f in flags if f.startswith(("avx", "amx"))],
+            "cpus": fields.get("CPU(s)", "").strip()}
+
+
+def settings(args, policy: str = "fcfs") -> dict:
+    return {"model": {"dtype": args.dtype}, "api": {"api_keys": [VICTIM, ATTACKER]},
+            "scheduler": {"policy": policy}, "observability": {"log_level": "warning"}}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--attacks", default=",".join(ATTACKS))
+    parser.add_argument("--num-requests", type=int, default=30)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--no-fairness", action="store_true")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    report = {"cpu": cpu_info(), "dtype": args.dtype, "attacks": [], "fairness": {}}
+    with serving(settings(args)) as (url, _):
+        for name in [a for a in args.attacks.split(",") if a]:
+            result = asyncio.run(run_attack(url, name, args.num_requests))
+            report["attacks"].append(result)
+            print(json.dumps(result), flush=True)
+    if not args.no_fairness:
+        from text.tokenizer import Tokenizer
+        tokenizer = Tokenizer.from_model_path("default")
+        for policy in ("fcfs", "fair"):
+            with serving(settings(args, policy)) as (url, _):
+                report["fairness"][policy] = asyncio.run(run_fairness(url, 5, tokenizer))
+            print(policy, json.dumps(report["fairness"][policy]), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

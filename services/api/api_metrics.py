@@ -1,0 +1,57 @@
+"""This API process's own Prometheus metrics, served at /metrics after the engine's.
+
+The engine core's metrics are engine-wide and the same from every API process; these
+are the process's own (with several API processes, each scrape sees the one that
+answered it):
+
+    folio:api_connections_closed_total{reason}   connections the server ended:
+                                                 header_timeout, body_timeout, idle,
+                                                 over_limit
+    folio:api_open_connections                   client connections open now
+    folio:api_buffered_body_bytes                request-body bytes held now
+    folio:api_body_budget_refusals_total         requests refused 503 for that budget
+
+Values are read from the ConnectionGuard and the BodyBudget at scrape time, so the
+hot paths only bump plain integers.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from observability.metrics import PREFIX
+from services.api.body_budget import BodyBudget
+from services.api.connection_guard import CLOSE_REASONS, ConnectionGuard
+
+
+class _Collector:
+    def __init__(self, guard: ConnectionGuard, budget: BodyBudget):
+        self.guard, self.budget = guard, budget
+
+    def collect(self):
+        closed = CounterMetricFamily(PREFIX + "api_connections_closed",
+                                     "Client connections the API process ended, by reason",
+                                     labels=["reason"])
+        for reason in CLOSE_REASONS:
+            closed.add_metric([reason], self.guard.num_closed[reason])
+        yield closed
+        yield GaugeMetricFamily(PREFIX + "api_open_connections",
+                                "Client connections open in this API process",
+                                value=self.guard.num_open)
+        yield GaugeMetricFamily(PREFIX + "api_buffered_body_bytes",
+                                "Request-body bytes this API process holds now",
+                                value=self.budget.num_bytes)
+        yield CounterMetricFamily(PREFIX + "api_body_budget_refusals",
+                                  "Requests refused (503) because the body budget was "
+                                  "spent", value=self.budget.num_refused)
+
+
+class APIMetrics:
+    """The registry of this API process's metrics; ``render()`` gives the text."""
+
+    def __init__(self, guard: ConnectionGuard, budget: BodyBudget):
+        self.registry = CollectorRegistry()
+        self.registry.register(_Collector(guard, budget))
+
+    def render(self) -> str:
+        return generate_latest(self.registry).decode()
