@@ -93,11 +93,14 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them via the chat template."""
+        """Generate replies to one conversation or a list of them via the chat template.
+
+        As over HTTP, special-token text inside message content stays plain text unless
+        ``api.allow_special_tokens_in_content`` is on (text/chat_prompt.py)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.tokenizer.encode(
-            self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt),
-            add_special_tokens=False)} for conv in conversations]
+        split = not self.config.api.allow_special_tokens_in_content
+        prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(self.tokenizer.render_chat(
+            conv, add_generation_prompt, split_content=split))} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, req_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
