@@ -140,14 +140,14 @@ def decode_step_ms(llm, batch_sizes: list[int], context: int, iters: int) -> dic
     Requests of ``context`` cached tokens each get their own blocks; the cache holds
     whatever is there (timing does not depend on the values).
     """
-    from engine_core.sampling_params import SamplingParams
+    from engine_core.worker_sampling import WorkerSamplingParams
     from worker.input_batch import build_input_batch
     from worker.request_state import CachedRequestState
     runner = llm.runner
     per_req = -(-(context + 1) // runner.block_size)
     rng = random.Random(0)
     states = [CachedRequestState(f"d{i}", [rng.randrange(100, VOCAB) for _ in range(context + 1)],
-                                 context, SamplingParams(),
+                                 context, WorkerSamplingParams(),
                                  list(range(1 + i * per_req, 1 + (i + 1) * per_req)), context,
                                  None) for i in range(max(batch_sizes))]
     graphs, results = runner.cuda_graphs, {}

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 # only be stricter.
 ENGINE_MAX_LOGPROBS = 20
 ENGINE_MAX_STOP_STRINGS = 16
+# No vocabulary Folio serves is larger; the engine core also caps stop_token_ids at the
+# model's own vocabulary size.
+ENGINE_MAX_STOP_TOKEN_IDS = 262_144
 
 
 def _f(default, doc: str, **kw):
@@ -249,6 +252,9 @@ class APIConfig:
         "secret": True})
     public_metrics: bool = _f(False, "serve /metrics without a key (/health is always "
                               "public)")
+    public_health_detail: bool = _f(False, "show /health's gauges (queue, KV usage, "
+                                    "clients) without a key; /health's status is always "
+                                    "public")
     max_body_bytes: int = _f(4 * 1024 * 1024, "largest request body in bytes (413 beyond)")
     max_header_bytes: int = _f(8190, "longest request line or header field in bytes (431 "
                                "beyond)")

@@ -111,6 +111,9 @@ class BlockPool:
         self.null_block.is_null = True
         self.free_block_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        # Blocks with ref_cnt > 0, kept as references come and go so that a health
+        # gauge never scans the pool (check_invariants recounts).
+        self.num_referenced_blocks = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -134,6 +137,7 @@ class BlockPool:
             self.drop_hash(block)
             block.ref_cnt = 1
             out.append(block)
+        self.num_referenced_blocks += num_blocks
         return out
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -143,6 +147,7 @@ class BlockPool:
                 raise ValueError("the null block cannot be referenced")
             if block.ref_cnt == 0:
                 self.free_block_queue.remove(block)
+                self.num_referenced_blocks += 1
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -152,6 +157,7 @@ class BlockPool:
                 raise ValueError(f"block {block.block_id} freed more often than referenced")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
+                self.num_referenced_blocks -= 1
                 if block.block_hash is None:
                     self.free_block_queue.appendleft(block)
                 else:
@@ -219,6 +225,8 @@ class BlockPool:
                 _require(self.cached_blocks.get(block.block_hash) is block,
                          f"block {block.block_id} hash not registered")
         _require(num_owned + len(seen) == self.num_blocks - 1, "free + owned != usable")
+        _require(self.num_referenced_blocks == sum(b.ref_cnt > 0 for b in self.blocks),
+                 "num_referenced_blocks is off")
         _require(self.null_block.ref_cnt == 0 and not self.null_block.is_in_free_queue,
                  "null block was handed out")
         for block_hash, block in self.cached_blocks.items():

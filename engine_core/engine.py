@@ -17,6 +17,7 @@ from engine_core.scheduler import Scheduler
 from engine_core.scheduler_output import SchedulerOutput
 
 MAX_TENANT_CHARS = 128  # tenants are API-key names, not payloads
+MAX_REQ_ID_CHARS = 256  # ids travel in every step that names the request: keep them small
 
 
 class ModelExecutor(Protocol):
@@ -138,6 +139,7 @@ class EngineCore:
                         tenant_weight: float) -> SamplingParams:
         params = sampling_params if sampling_params is not None else SamplingParams()
         params.validate()
+        self._check_vocabulary(params.stop_token_ids, "stop_token_ids")
         self._validate_prompt(prompt)
         _validate_tenant(tenant, tenant_weight)
         if not isinstance(lora_id, int) or isinstance(lora_id, bool) or lora_id < 0:
@@ -146,28 +148,44 @@ class EngineCore:
             raise InvalidRequestError("cache_salt must be a string", "cache_salt")
         return params
 
+    def _check_vocabulary(self, token_ids: frozenset[int], param: str) -> None:
+        """Never more ids than the vocabulary holds, none outside it (the engine's own
+        bound, whatever the API in front of it allows)."""
+        upper = self.vocab_size
+        if upper is None or not token_ids:
+            return
+        if len(token_ids) > upper:
+            raise InvalidRequestError(f"{param} holds {len(token_ids)} ids, more than the "
+                                      f"vocabulary's {upper}", param)
+        if max(token_ids) >= upper:
+            raise InvalidRequestError(f"{param} holds token id {max(token_ids)}, outside "
+                                      f"the vocabulary [0, {upper})", param)
+
     @staticmethod
     def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
         seed = None if params.seed is None else params.seed + index
         return params.clone(n=1, seed=seed)
 
     def _validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """Ints in the vocabulary; the per-id loops run in C (``map``, ``min``, ``max``)."""
         prompt = list(prompt_token_ids)
         if not prompt:
             raise InvalidRequestError("prompt must contain at least one token", "prompt")
+        if not set(map(type, prompt)) <= {int}:  # bool is not an int here
+            bad = next(t for t in prompt if type(t) is not int)
+            raise InvalidRequestError(f"prompt token ids must be integers, got {bad!r}",
+                                      "prompt")
         upper = self.vocab_size
-        for token in prompt:
-            if isinstance(token, bool) or not isinstance(token, int):
-                raise InvalidRequestError(f"prompt token ids must be integers, got "
-                                          f"{token!r}", "prompt")
-            if token < 0 or (upper is not None and token >= upper):
-                raise InvalidRequestError(f"prompt token id {token} is outside the "
-                                          f"vocabulary [0, {upper})", "prompt")
+        low, high = min(prompt), max(prompt)
+        if low < 0 or (upper is not None and high >= upper):
+            raise InvalidRequestError(f"prompt token id {low if low < 0 else high} is "
+                                      f"outside the vocabulary [0, {upper})", "prompt")
         return prompt
 
     def _validate_ids(self, req_id: str, n: int) -> None:
-        if not isinstance(req_id, str) or not req_id:
-            raise InvalidRequestError("req_id must be a non-empty string", "req_id")
+        if not isinstance(req_id, str) or not 0 < len(req_id) <= MAX_REQ_ID_CHARS:
+            raise InvalidRequestError(f"req_id must be a non-empty string of at most "
+                                      f"{MAX_REQ_ID_CHARS} characters", "req_id")
         ids = [req_id] if n == 1 else [req_id] + [f"{i}_{req_id}" for i in range(n)]
         for candidate in ids:
             if self.scheduler.is_known_id(candidate):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from engine_core.outputs import FinishReason
 from engine_core.sampling_params import SamplingParams
+from engine_core.worker_sampling import WorkerSamplingParams
 
 
 # Whose quota a request counts against under the fair policy; None is the anonymous
@@ -76,6 +77,8 @@ class Request:
     tenant: Tenant = None
     tenant_weight: float = 1.0
     priority: int = field(init=False)
+    # What the worker needs of sampling_params; built once, sent with NewRequestData.
+    worker_params: WorkerSamplingParams = field(init=False, repr=False)
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
     output_token_ids: list[int] = field(default_factory=list, init=False)
     num_computed_tokens: int = field(default=0, init=False)
@@ -94,6 +97,7 @@ class Request:
         self.prompt_token_ids = list(self.prompt_token_ids)
         self.eos_token_ids = tuple(self.eos_token_ids)
         self.priority = self.sampling_params.priority
+        self.worker_params = WorkerSamplingParams.from_params(self.sampling_params)
         self._all_token_ids = list(self.prompt_token_ids)
 
     @property

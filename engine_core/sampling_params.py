@@ -1,11 +1,14 @@
 """Per-request sampling parameters, validated on construction."""
 from __future__ import annotations
 
+import copy
 import math
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Collection
+from dataclasses import dataclass, field, fields
 
 from config.schema import ENGINE_MAX_LOGPROBS as MAX_LOGPROBS
 from config.schema import ENGINE_MAX_STOP_STRINGS as MAX_STOP_STRINGS
+from config.schema import ENGINE_MAX_STOP_TOKEN_IDS as MAX_STOP_TOKEN_IDS
 
 
 class InvalidRequestError(ValueError):
@@ -32,12 +35,25 @@ def _int(name: str, value: object) -> None:
         raise InvalidRequestError(f"{name} must be an integer, got {value!r}", name)
 
 
+def _check_token_ids(ids: Collection) -> None:
+    """Non-negative ints (never bools), at most MAX_STOP_TOKEN_IDS of them. The loops
+    run in C (``map(type, ...)``, ``min``): a long list costs no Python call per id."""
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are "
+                                  f"allowed, got {len(ids)}", "stop_token_ids")
+    if not set(map(type, ids)) <= {int}:
+        raise InvalidRequestError("stop_token_ids must be integers", "stop_token_ids")
+    if ids and min(ids) < 0:
+        raise InvalidRequestError("stop_token_ids must be non-negative", "stop_token_ids")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick tokens for one request (the fields vLLM users know).
 
     ``temperature == 0`` means greedy decoding. ``max_tokens=None`` means "as many as
     fit in ``max_model_len``"; the engine fills it in when the request is added.
+    Validated on construction; ``clone`` re-checks only what it changes.
     """
 
     n: int = 1
@@ -49,7 +65,8 @@ class SamplingParams:
     max_tokens: int | None = 16
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    # Any collection of ints is accepted and frozen: membership is O(1) per sampled token.
+    stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     presence_penalty: float = 0.0
@@ -63,13 +80,31 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        ids = self.stop_token_ids
+        if not isinstance(ids, frozenset):
+            try:
+                ids = list(ids or ())
+            except TypeError:
+                raise InvalidRequestError("stop_token_ids must be a list of integers",
+                                          "stop_token_ids") from None
+        _check_token_ids(ids)  # before hashing: [[1]] is a bad request, not a TypeError
+        # Immutable, so the n samples of a request (and their clones) share one set.
+        self.stop_token_ids = frozenset(ids)
         if self.top_k == -1:
             self.top_k = 0
-        self.validate()
+        self._check_scalars()
+        self._check_stop_strings()
 
     def validate(self) -> None:
-        """Raise InvalidRequestError naming the first field out of range."""
+        """Raise InvalidRequestError naming the first field out of range.
+
+        Linear in the stop lists, and each element costs C, not Python, calls."""
+        self._check_scalars()
+        self._check_stop_strings()
+        _check_token_ids(self.stop_token_ids)
+
+    def _check_scalars(self) -> None:
+        """Every field but the stop lists: O(1)."""
         _int("n", self.n)
         if self.n < 1:
             raise InvalidRequestError(f"n must be at least 1, got {self.n}", "n")
@@ -89,19 +124,7 @@ class SamplingParams:
             raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if self.seed is not None:
             _int("seed", self.seed)
-        if self.max_tokens is not None:
-            _int("max_tokens", self.max_tokens)
-            if self.max_tokens < 1:
-                raise InvalidRequestError(
-                    f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
-        _int("min_tokens", self.min_tokens)
-        if self.min_tokens < 0:
-            raise InvalidRequestError(
-                f"min_tokens must be non-negative, got {self.min_tokens}", "min_tokens")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise InvalidRequestError(
-                f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
-                f"({self.max_tokens})", "min_tokens")
+        self._check_lengths()
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _finite(name, value)
@@ -118,6 +141,23 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
         _int("priority", self.priority)
+
+    def _check_lengths(self) -> None:
+        if self.max_tokens is not None:
+            _int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise InvalidRequestError(
+                    f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        _int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise InvalidRequestError(
+                f"min_tokens must be non-negative, got {self.min_tokens}", "min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                f"({self.max_tokens})", "min_tokens")
+
+    def _check_stop_strings(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidRequestError(
                 f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(self.stop)}",
@@ -125,10 +165,6 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidRequestError("stop strings must be non-empty strings", "stop")
-        for t in self.stop_token_ids:
-            _int("stop_token_ids", t)
-            if t < 0:
-                raise InvalidRequestError("stop_token_ids must be non-negative", "stop_token_ids")
 
     @property
     def is_greedy(self) -> bool:
@@ -140,8 +176,22 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
     def clone(self, **changes) -> "SamplingParams":
-        """A copy with some fields changed (validated again)."""
-        return replace(self, **changes)
+        """A copy with some fields changed, and those checked.
+
+        Scalars are re-checked in O(1); the stop lists only when they are among the
+        changes. So the n samples of a request (``n=1``, ``seed + i``, ``max_tokens``
+        filled in) cost nothing per stop token id: they share the request's one
+        validated, immutable ``stop_token_ids``.
+        """
+        new = copy.copy(self)
+        new.stop = list(self.stop)
+        for name, value in changes.items():
+            setattr(new, name, value)
+        if changes.keys() & {"stop", "stop_token_ids", "top_k"}:
+            new.__post_init__()  # normalise these, then check everything
+        else:
+            new._check_scalars()
+        return new
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine_core.sampling_params import SamplingParams
+from engine_core.worker_sampling import WorkerSamplingParams
 
 
 @dataclass(slots=True)
@@ -18,12 +18,13 @@ class NewRequestData:
     ``token_ids`` holds the prompt followed by any tokens generated before a preemption,
     so a resumed request recomputes them. Tokens past ``num_computed_tokens`` are the
     ones this step computes (or later steps, when the prefill is chunked).
+    ``sampling_params`` is the worker's part only: no stop strings, no ``max_tokens``.
     """
 
     req_id: str
     token_ids: list[int]
     num_prompt_tokens: int
-    sampling_params: SamplingParams
+    sampling_params: WorkerSamplingParams
     block_ids: list[int]
     num_computed_tokens: int
     num_output_tokens: int = 0

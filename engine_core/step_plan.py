@@ -60,7 +60,7 @@ class StepPlan:
         """The SchedulerOutput; ``num_computed_tokens`` are still the pre-step values."""
         new = [NewRequestData(
             req_id=r.req_id, token_ids=list(r.all_token_ids),
-            num_prompt_tokens=r.num_prompt_tokens, sampling_params=r.sampling_params,
+            num_prompt_tokens=r.num_prompt_tokens, sampling_params=r.worker_params,
             block_ids=get_block_ids(r.req_id), num_computed_tokens=r.num_computed_tokens,
             num_output_tokens=r.num_output_tokens, lora_id=r.lora_id) for r in self.new_reqs]
         cached = [CachedRequestData(req_id=r.req_id, new_block_ids=ids,

@@ -22,9 +22,16 @@ import msgpack
 from engine_core.model_facts import ModelFacts
 from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.sampling_params import SamplingParams
-from engine_core.scheduler_output import SchedulerOutput
+from engine_core.scheduler_output import NewRequestData, SchedulerOutput
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
+
+# The health snapshot's contract between the engine core (publisher) and every API
+# process (reader): pushed at most every PUBLISH interval when it changed and at least
+# every HEARTBEAT; one older than MAX_AGE means the engine core went quiet (503).
+HEALTH_PUBLISH_INTERVAL_S = 0.1
+HEALTH_HEARTBEAT_S = 0.5
+HEALTH_MAX_AGE_S = 3.0
 
 
 class ProtocolError(ValueError):
@@ -67,12 +74,25 @@ class ExecuteStep:
 
     ``traceparent`` names the engine-step span when the step is traced;
     ``request_traceparents`` the engine span of each traced request the worker sees
-    for the first time (new, or resumed after preemption)."""
+    for the first time (new, or resumed after preemption). ``num_staged_new_reqs``:
+    that many new requests came ahead in StageNewRequests frames of this step; they
+    go first among ``scheduler_output.scheduled_new_reqs``."""
 
     step_id: int
     scheduler_output: SchedulerOutput
     traceparent: str | None = None
     request_traceparents: dict[str, str] = field(default_factory=dict)
+    num_staged_new_reqs: int = 0
+
+
+@dataclass(slots=True)
+class StageNewRequests:
+    """Engine core → worker: new requests of step ``step_id`` sent ahead of its
+    ExecuteStep because one frame would exceed the transport's limit (see
+    services/engine_core_service/step_frames.py). The worker keeps them for that step."""
+
+    step_id: int
+    new_reqs: list[NewRequestData]
 
 
 @dataclass(slots=True)
@@ -122,6 +142,16 @@ class Health:
 
 
 @dataclass(slots=True)
+class HealthSnapshot:
+    """Engine core → every API process: whether it serves (``ok``: alive and making
+    progress) and its gauges. Pushed, never asked for: an API process answers /health
+    from the latest one, so a probe costs the engine core nothing (timing above)."""
+
+    ok: bool
+    detail: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class GetMetrics:
     """API → engine core: ask for the Prometheus text of the engine's metrics."""
 
@@ -142,7 +172,11 @@ class Shutdown:
 
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
     AddRequest, AbortRequest, OutputDelta, RequestRejected, QueueState, ExecuteStep,
-    StepResult, WorkerReady, Health, GetMetrics, Metrics, Shutdown)}
+    StageNewRequests, StepResult, WorkerReady, Health, HealthSnapshot, GetMetrics, Metrics,
+    Shutdown)}
+# Items msgpack builds itself: a list of only these converts in one C pass, not a
+# Python call per element (a step's token ids, a request's stop token ids).
+_PLAIN_SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
 
 
 def _to_plain(value: Any) -> Any:
@@ -150,7 +184,9 @@ def _to_plain(value: Any) -> Any:
         return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, enum.Enum):
         return value.value
-    if isinstance(value, (list, tuple, set)):
+    if isinstance(value, (list, tuple, set, frozenset)):
+        if set(map(type, value)) <= _PLAIN_SCALARS:
+            return value if type(value) is list else list(value)
         return [_to_plain(v) for v in value]
     if isinstance(value, dict):
         return {k: _to_plain(v) for k, v in value.items()}
@@ -178,15 +214,14 @@ def _from_plain(value: Any, tp: Any, where: str) -> Any:
             except ProtocolError:
                 pass
         raise ProtocolError(f"{where}: {value!r} matches none of {tp}")
-    if origin in (list, set):
+    if origin in (list, set, frozenset, tuple):  # tuple[X, ...]: args[0] is X
         if not isinstance(value, list):
             raise ProtocolError(f"{where}: expected a list")
-        items = [_from_plain(v, args[0], f"{where}[]") for v in value]
-        return set(items) if origin is set else items
-    if origin is tuple:
-        if not isinstance(value, list):
-            raise ProtocolError(f"{where}: expected a list")
-        return tuple(_from_plain(v, args[0], f"{where}[]") for v in value)
+        if args[0] in (int, str) and set(map(type, value)) <= {args[0]}:
+            items = value  # checked in one C pass (a bool is not an int)
+        else:
+            items = [_from_plain(v, args[0], f"{where}[]") for v in value]
+        return items if origin is list else origin(items)
     if origin is dict:
         if not isinstance(value, dict):
             raise ProtocolError(f"{where}: expected a map")
@@ -231,6 +266,11 @@ def encode(message: Any) -> bytes:
         raise TypeError(f"not a protocol message: {type(message)!r}")
     return msgpack.packb({"v": PROTOCOL_VERSION, "type": name, "body": _to_plain(message)},
                          use_bin_type=True)
+
+
+def encoded_size(value: Any) -> int:
+    """Bytes ``value`` (a message or a dataclass inside one) takes inside a frame."""
+    return len(msgpack.packb(_to_plain(value), use_bin_type=True))
 
 
 def decode(frame: bytes) -> Any:

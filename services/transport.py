@@ -73,6 +73,10 @@ class PeerLink:
     async def send(self, message: Any) -> None:
         await self.ws.send_bytes(encode(message))
 
+    async def send_frame(self, frame: bytes) -> None:
+        """Send a frame ``encode`` already made (a caller that checked its size)."""
+        await self.ws.send_bytes(frame)
+
     async def messages(self):
         """Decoded messages until the peer closes; a bad frame closes the link."""
         async for msg in self.ws:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine_core.sampling_params import SamplingParams
+from engine_core.worker_sampling import WorkerSamplingParams
 from worker.input_batch import build_input_batch
 from worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from worker.request_state import CachedRequestState
@@ -50,7 +51,7 @@ def prefill_logits(runner, token_ids):
     spec = KVCacheSpec.for_model(runner.arch, 16, torch.float32)
     num_blocks = -(-len(token_ids) // 16)
     caches = allocate_kv_cache(spec, num_blocks + 1, runner.device)
-    state = CachedRequestState("p", list(token_ids), len(token_ids), SamplingParams(),
+    state = CachedRequestState("p", list(token_ids), len(token_ids), WorkerSamplingParams(),
                                list(range(1, num_blocks + 1)), 0, None)
     batch = build_input_batch([state], [len(token_ids)], 16, runner.arch.sliding_window,
                               runner.attention_backend)

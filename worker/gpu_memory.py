@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from engine_core.sampling_params import SamplingParams
+from engine_core.worker_sampling import WorkerSamplingParams
 from observability.logging import get_logger
 from worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from worker.request_state import CachedRequestState
@@ -47,7 +47,7 @@ def _dummy_states(lengths: list[int], block_size: int) -> list[CachedRequestStat
         num_blocks = -(-n // block_size)
         states.append(CachedRequestState(
             req_id=f"profile-{i}", token_ids=[0] * n, num_prompt_tokens=n,
-            sampling_params=SamplingParams(), num_computed_tokens=0, generator=None,
+            sampling_params=WorkerSamplingParams(), num_computed_tokens=0, generator=None,
             block_ids=list(range(next_block, next_block + num_blocks))))
         next_block += num_blocks
     return states

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_core.sampling_params import SamplingParams
+from engine_core.worker_sampling import WorkerSamplingParams
 
 
 @dataclass(slots=True)
@@ -19,7 +19,7 @@ class CachedRequestState:
     req_id: str
     token_ids: list[int]
     num_prompt_tokens: int
-    sampling_params: SamplingParams
+    sampling_params: WorkerSamplingParams
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_core.sampling_params import SamplingParams
+from engine_core.worker_sampling import WorkerSamplingParams
 
 
 @dataclass(slots=True)
@@ -32,7 +32,8 @@ class SamplingMetadata:
     num_logprobs: list[int | None]  # per row
 
     @classmethod
-    def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
+    def build(cls, params: list[WorkerSamplingParams],
+              generators: list[torch.Generator | None],
               prompt_ids: list[list[int]], output_ids: list[list[int]],
               eos_token_ids: tuple[int, ...]) -> "SamplingMetadata":
         """Gather the rows' parameters; ``output_ids[i]`` are the tokens sampled so far."""

@@ -133,17 +133,23 @@ class APIServer:
             "max_model_len": self.max_model_len}]})
 
     async def health(self, request) -> web.Response:
-        """200 with the engine core's gauges when it answers; 503 when it does not, or
-        while this process drains."""
+        """200 from the engine core's latest pushed snapshot (a probe never reaches the
+        engine core); 503 while this process drains, when the link is down, the
+        snapshot is stale or says the engine failed. The gauges go to callers with a
+        valid key, or to all when the API is open or ``api.public_health_detail``."""
         if self.admission.draining:
             raise unavailable("the server is shutting down", "shutting_down")
-        try:
-            reply = await self.engine.health()
-        except (EngineDead, asyncio.TimeoutError):
+        snapshot = self.engine.fresh_health()
+        if snapshot is None:
             raise unavailable("the engine core is unavailable")
-        if not reply.ok:
+        if not snapshot.ok:
             raise unavailable("the engine core has failed")
-        return web.json_response({"status": "ok", "engine": reply.detail,
+        # /health is public: the auth middleware lets a caller without a key through,
+        # and sets the tenant's cache salt only for a valid key.
+        if self.api_keys.enabled and not (self.api.public_health_detail
+                                          or CACHE_SALT in request):
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "ok", "engine": snapshot.detail,
                                   "api": {"num_in_flight": self.admission.num_in_flight}})
 
     async def metrics(self, request) -> web.Response:

@@ -7,9 +7,9 @@ from collections import deque
 
 from engine_core.model_facts import ModelFacts
 from engine_core.sampling_params import SamplingParams
-from services.protocol import (AbortRequest, AddRequest, GetMetrics, Health, Metrics,
-                               OutputDelta, ProtocolError, QueueState, RequestRejected,
-                               WorkerReady)
+from services.protocol import (HEALTH_MAX_AGE_S, AbortRequest, AddRequest, GetMetrics,
+                               HealthSnapshot, Metrics, OutputDelta, ProtocolError,
+                               QueueState, RequestRejected, WorkerReady)
 from services.transport import Endpoint, PeerLink, connect
 
 
@@ -25,8 +25,9 @@ class EngineClient:
     """One WebSocket to the engine core shared by all of this process's requests.
 
     Each request gets a queue; the reader puts EngineCoreOutput deltas (for every
-    sample) or a RequestRejected on it, and None when the engine goes away. Health
-    probes are answered in order on the same link, so replies match a FIFO of waiters.
+    sample) or a RequestRejected on it, and None when the engine goes away. Metrics
+    requests are answered in order on the same link, so replies match a FIFO of
+    waiters. Health is never asked for: the engine core pushes HealthSnapshots.
     """
 
     def __init__(self, endpoint: Endpoint, client_id: str):
@@ -35,8 +36,8 @@ class EngineClient:
         self._link: PeerLink | None = None
         self._session = None
         self._queues: dict[str, asyncio.Queue] = {}
-        # replies to Health / GetMetrics come back in order on the one link
-        self._waiters: dict[type, deque[asyncio.Future]] = {Health: deque(), Metrics: deque()}
+        # replies to GetMetrics come back in order on the one link
+        self._waiters: dict[type, deque[asyncio.Future]] = {Metrics: deque()}
         self._reader: asyncio.Task | None = None
         self.model_facts: ModelFacts | None = None  # from the engine core's WorkerReady
         self.alive = False
@@ -44,6 +45,8 @@ class EngineClient:
         # The engine core's last QueueState: while full, requests are refused before
         # they are tokenized. Only a hint: the engine core re-checks every add.
         self.queue_state = QueueState(is_full=False)
+        self._health: HealthSnapshot | None = None  # the engine core's latest snapshot
+        self._health_at = 0.0  # when it arrived (monotonic)
 
     async def start(self, timeout: float = 300.0) -> ModelFacts:
         """Connect (retrying until ``timeout``) and read the engine's model limits."""
@@ -67,11 +70,13 @@ class EngineClient:
                         queue.put_nowait(out)
             elif isinstance(message, QueueState):
                 self.queue_state = message
+            elif isinstance(message, HealthSnapshot):
+                self._health, self._health_at = message, time.monotonic()
             elif isinstance(message, RequestRejected):
                 queue = self._queues.get(message.req_id)
                 if queue is not None:
                     queue.put_nowait(message)
-            elif isinstance(message, (Health, Metrics)) and self._waiters[type(message)]:
+            elif isinstance(message, Metrics) and self._waiters[Metrics]:
                 waiter = self._waiters[type(message)].popleft()
                 if not waiter.done():
                     waiter.set_result(message)
@@ -110,9 +115,12 @@ class EngineClient:
         await self._link.send(question)
         return await asyncio.wait_for(waiter, timeout)
 
-    async def health(self, timeout: float = 5.0) -> Health:
-        """The engine core's own answer (its gauges); EngineDead or TimeoutError if none."""
-        return await self._ask(Health(), Health, timeout)
+    def fresh_health(self, max_age_s: float = HEALTH_MAX_AGE_S) -> HealthSnapshot | None:
+        """The engine core's latest health snapshot; None while the link is down or when
+        none arrived within ``max_age_s`` (the engine core went quiet). No round trip."""
+        if not self.alive or self._health is None:
+            return None
+        return self._health if time.monotonic() - self._health_at <= max_age_s else None
 
     async def metrics(self, timeout: float = 5.0) -> str:
         """The engine core's Prometheus text."""

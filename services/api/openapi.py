@@ -152,7 +152,7 @@ def openapi_document(version: str, model_name: str, lim: ValidationLimits,
         "/v1/models": get(f"the served model ({model_name})", obj),
         "/version": get("server version", obj),
         "/metrics": get("Prometheus metrics", text, "404", "503"),
-        "/health": get("liveness and engine gauges (public)", obj, "503"),
+        "/health": get("liveness (public); engine gauges with a key", obj, "503"),
         "/openapi.json": get("this document", obj),
     }
     doc: dict[str, Any] = {

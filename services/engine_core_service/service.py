@@ -15,6 +15,9 @@ process's adds pass through it); it refuses adds past them with RequestRejected
 "queue_full" and tells every API process when the queue fills or drains (QueueState).
 Watchdog: a step the worker does not answer within ``services.step_timeout_s`` is a
 hung worker; the loop fails, /health answers 503 and the process exits 1.
+Health: API processes never ask; engine_health.py pushes them snapshots.
+Frames: a step too large for one frame travels in several (step_frames.py); a request
+that could never travel is refused when it is added.
 """
 from __future__ import annotations
 
@@ -22,7 +25,6 @@ import argparse
 import asyncio
 import itertools
 import sys
-import time
 from collections import defaultdict
 
 from aiohttp import web
@@ -38,11 +40,13 @@ from services.entrypoint import (StopSignal, first_completed, log_ready, run_ser
                                  service_arguments)
 from observability.tracing import Tracing
 from services.engine_core_service.api_clients import APIClients, send_to_client
+from services.engine_core_service.engine_health import EngineHealth
 from services.engine_core_service.engine_observer import EngineObserver
-from services.protocol import (AbortRequest, AddRequest, ExecuteStep, GetMetrics, Health,
-                               Metrics, OutputDelta, RequestRejected, StepResult,
-                               WorkerReady)
-from services.transport import Endpoint, PeerLink, connect, start_site, websocket_route
+from services.engine_core_service.step_frames import refusal_param, step_frames
+from services.protocol import (AbortRequest, AddRequest, ExecuteStep, GetMetrics, Metrics,
+                               OutputDelta, RequestRejected, StepResult, WorkerReady)
+from services.transport import (MAX_FRAME_BYTES, Endpoint, PeerLink, connect, start_site,
+                                websocket_route)
 
 log = get_logger(__name__)
 
@@ -64,16 +68,17 @@ class EngineCoreService:
         self._worker: PeerLink | None = None
         self._worker_session = None
         self._worker_replies: asyncio.Queue = asyncio.Queue()
-        self._inbox: list[tuple[PeerLink, object]] = []
+        self.inbox: list[tuple[PeerLink, object]] = []  # adds and aborts between steps
         self._wake = asyncio.Event()
-        self._owner: dict[str, PeerLink] = {}  # engine req id (sample id) → API link
+        self.owner: dict[str, PeerLink] = {}  # engine req id (sample id) → API link
         self._step_ids = itertools.count()
         self.failure: BaseException | None = None
         self.ready: WorkerReady | None = None
-        self.num_steps = 0
-        self.last_step_time = time.monotonic()
         self.clients: APIClients | None = None  # made with the engine
         self.step_timeout_s = config.services.step_timeout_s
+        self.health = EngineHealth(self)
+        self.max_frame_bytes = MAX_FRAME_BYTES  # what the worker accepts in one frame
+        self.num_split_steps = 0  # steps that needed more than one frame
 
     async def connect_worker(self, timeout: float = 300.0) -> WorkerReady:
         """Open the worker link and build the EngineCore from its WorkerReady."""
@@ -106,56 +111,22 @@ class EngineCoreService:
         await link.send(self.ready)
         try:
             await self.clients.join(link)
+            await self.health.send_to(link)
             async for message in link.messages():
                 if isinstance(message, (AddRequest, AbortRequest)):
-                    self._inbox.append((link, message))
+                    self.inbox.append((link, message))
                     self._wake.set()
-                elif isinstance(message, Health):
-                    await link.send(Health(self.is_healthy(), self.health_detail()))
                 elif isinstance(message, GetMetrics):
                     await link.send(Metrics(self.observer.render_metrics()))
         finally:
             self.clients.leave(link)
-        aborted = [r for r, owner in self._owner.items() if owner is link]
+        aborted = [r for r, owner in self.owner.items() if owner is link]
         if aborted:  # the API process went away: nobody will read these
-            self._inbox.append((link, AbortRequest(aborted)))
+            self.inbox.append((link, AbortRequest(aborted)))
             self._wake.set()
 
-    def _seconds_stalled(self) -> float:
-        """How long the loop has made no step while there is work (0 when idle)."""
-        busy = self.engine.has_unfinished_requests() or bool(self._inbox)
-        return time.monotonic() - self.last_step_time if busy else 0.0
-
-    def is_healthy(self) -> bool:
-        """Alive and making progress: a live process whose steps stalled is not healthy."""
-        return (self.engine is not None and self.failure is None
-                and self._seconds_stalled() <= self.step_timeout_s)
-
-    def health_detail(self) -> dict[str, float]:
-        """Gauges a probe (or a test) needs to see that the engine is alive and clean:
-        after the last request ends, ``num_requests``, ``num_routed_requests`` and
-        ``num_referenced_blocks`` (blocks with a reference count above 0) are all 0."""
-        stats = self.engine.get_stats()
-        pool = self.engine.scheduler.kv_cache_manager.block_pool
-        return {"num_running": stats.num_running, "num_waiting": stats.num_waiting,
-                "num_waiting_tokens": stats.num_waiting_tokens,
-                "is_queue_full": float(self.clients.announced_full),
-                "num_requests": self.engine.scheduler.get_num_unfinished_requests(),
-                "num_routed_requests": len(self._owner),
-                "num_free_blocks": pool.num_free_blocks,
-                "num_blocks": self.ready.facts.num_blocks - 1,  # block 0 is the null block
-                "num_referenced_blocks": sum(b.ref_cnt > 0 for b in pool.blocks),
-                "kv_cache_usage": stats.kv_cache_usage, "num_steps": self.num_steps,
-                "num_preemptions": stats.num_preemptions, "num_clients": len(self.clients.links),
-                "seconds_since_last_step": self._seconds_stalled()}
-
-    async def health(self, request: web.Request) -> web.Response:
-        ok = self.is_healthy()
-        body = {"status": "ok" if ok else "failed", **(self.health_detail() if ok else {})}
-        return web.json_response(body, status=200 if ok else 503)
-
     async def _apply_inbox(self) -> None:
-        inbox, self._inbox = self._inbox, []
+        inbox, self.inbox = self.inbox, []
         for link, message in inbox:
             if isinstance(message, AbortRequest):
                 self.engine.abort_request(message.req_ids)
@@ -164,6 +135,11 @@ class EngineCoreService:
             if refusal is not None:
                 await send_to_client(link, RequestRejected(message.req_id, refusal,
                                                            code="queue_full"))
+                continue
+            if (param := self._unsendable(message)) is not None:
+                await send_to_client(link, RequestRejected(
+                    message.req_id, f"the request is too large to reach the model (its "
+                    f"{param} would exceed a {self.max_frame_bytes}-byte frame)", param))
                 continue
             try:
                 sample_ids = self.engine.add_request(
@@ -174,14 +150,22 @@ class EngineCoreService:
                 await send_to_client(link, RequestRejected(message.req_id, str(e), e.param))
                 continue
             for sample_id in sample_ids:
-                self._owner[sample_id] = link
+                self.owner[sample_id] = link
             self.observer.on_add(message, sample_ids)
+
+    def _unsendable(self, message: AddRequest) -> str | None:
+        facts = self.ready.facts
+        return refusal_param(message.req_id, message.sampling_params, facts.max_model_len,
+                             facts.block_size, self.max_frame_bytes)
 
     async def _execute(self, scheduler_output, traceparent: str | None,
                        request_traceparents: dict[str, str]) -> ModelRunnerOutput:
         step_id = next(self._step_ids)
-        await self._worker.send(ExecuteStep(step_id, scheduler_output, traceparent,
-                                            request_traceparents))
+        frames = step_frames(ExecuteStep(step_id, scheduler_output, traceparent,
+                                         request_traceparents), self.max_frame_bytes)
+        self.num_split_steps += len(frames) > 1
+        for frame in frames:
+            await self._worker.send_frame(frame)
         try:
             reply = await asyncio.wait_for(self._worker_replies.get(), self.step_timeout_s)
         except asyncio.TimeoutError:
@@ -199,24 +183,25 @@ class EngineCoreService:
     async def _route(self, outputs: list[EngineCoreOutput]) -> None:
         by_link: dict[PeerLink, list[EngineCoreOutput]] = defaultdict(list)
         for out in outputs:
-            link = self._owner.get(out.req_id)
+            link = self.owner.get(out.req_id)
             if link is None:
                 continue
             by_link[link].append(out)
             if out.finished:
-                del self._owner[out.req_id]
+                del self.owner[out.req_id]
         for link, outs in by_link.items():
             await send_to_client(link, OutputDelta(outs))
 
-
     async def run(self) -> None:
-        """The step loop; returns only by raising WorkerFailure (or cancellation)."""
+        """The step loop; returns only by raising WorkerFailure (or cancellation).
+        The health publisher runs beside it (and says so when it fails)."""
+        publisher = asyncio.get_running_loop().create_task(self.health.publish_forever())
         try:
             while True:
-                if not self._inbox and not self.engine.has_unfinished_requests():
+                if not self.inbox and not self.engine.has_unfinished_requests():
                     self._wake.clear()
                     await self._wake.wait()
-                    self.last_step_time = time.monotonic()  # idle time is not a stall
+                    self.health.on_wake()
                 await self._apply_inbox()
                 scheduler_output = self.engine.begin_step()
                 traceparents = self.observer.begin_step(scheduler_output)
@@ -227,12 +212,16 @@ class EngineCoreService:
                 self.observer.end_step(scheduler_output, outputs, self.engine)
                 await self._route(outputs)
                 await self.clients.publish()
-                self.num_steps += 1
-                self.last_step_time = time.monotonic()
+                self.health.on_step()
                 await asyncio.sleep(0)  # let client handlers queue their messages
         except BaseException as e:
             self.failure = e
             raise
+        finally:
+            publisher.cancel()
+            if self.failure is not None and not isinstance(self.failure,
+                                                           asyncio.CancelledError):
+                await self.health.publish(force=True)  # every API process: 503 now
 
     async def close(self, timeout: float = 1.0) -> None:
         """Close the worker link (the client links close with the site). A hung worker
@@ -248,7 +237,7 @@ class EngineCoreService:
     def app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/ws", websocket_route(self.handle_client, "api"))
-        app.router.add_get("/health", self.health)
+        app.router.add_get("/health", self.health.http_health)
         return app
 
 

@@ -18,12 +18,14 @@ from concurrent.futures import ThreadPoolExecutor
 from aiohttp import web
 
 from config.schema import FolioConfig
+from engine_core.outputs import ModelRunnerOutput
 from observability.logging import get_logger
 from observability.tracing import Tracing, context_from_traceparent
 from services.endpoints import worker_endpoint
 from services.entrypoint import (StopSignal, first_completed, log_ready, run_service,
                                  service_arguments)
-from services.protocol import ExecuteStep, Health, Shutdown, StepResult, WorkerReady
+from services.protocol import (ExecuteStep, Health, Shutdown, StageNewRequests, StepResult,
+                               WorkerReady)
 from services.transport import PeerLink, start_site, websocket_route
 from worker.bootstrap import bootstrap_model
 
@@ -31,7 +33,8 @@ log = get_logger(__name__)
 
 
 class WorkerService:
-    """Owns one ModelRunner; serves ExecuteStep, Health and Shutdown."""
+    """Owns one ModelRunner; serves ExecuteStep (and its StageNewRequests), Health and
+    Shutdown."""
 
     def __init__(self, config: FolioConfig, tracing: Tracing | None = None):
         # Every torch call runs on this one thread, model load included: OpenMP keeps a
@@ -47,14 +50,21 @@ class WorkerService:
         self.tracer = tracing.tracer if tracing is not None else None
         self.shutdown_requested = asyncio.Event()
         self.num_steps = 0
+        # New requests staged for a step too large for one frame, until its ExecuteStep.
+        self._staged: dict[int, list] = {}
 
     async def handle(self, link: PeerLink) -> None:
         """Serve one engine-core link until it closes."""
         await link.send(self.ready)
         loop = asyncio.get_running_loop()
         async for message in link.messages():
-            if isinstance(message, ExecuteStep):
-                await link.send(await loop.run_in_executor(self._pool, self._execute, message))
+            if isinstance(message, StageNewRequests):
+                self._staged.setdefault(message.step_id, []).extend(message.new_reqs)
+            elif isinstance(message, ExecuteStep):
+                message = self._unstage(message)
+                reply = (message if isinstance(message, StepResult) else
+                         await loop.run_in_executor(self._pool, self._execute, message))
+                await link.send(reply)
             elif isinstance(message, Health):
                 await link.send(Health(True, {"steps": str(self.num_steps)}))
             elif isinstance(message, Shutdown):
@@ -64,6 +74,20 @@ class WorkerService:
             else:
                 log.warning("unexpected message for the worker", type=type(message).__name__)
 
+    def _unstage(self, message: ExecuteStep) -> ExecuteStep | StepResult:
+        """The step with its staged new requests back in front (an error StepResult if
+        they did not all arrive). Staged data never outlives its step."""
+        staged = self._staged.pop(message.step_id, [])
+        self._staged.clear()
+        if len(staged) != message.num_staged_new_reqs:
+            return StepResult(message.step_id, ModelRunnerOutput(), error=(
+                f"step {message.step_id}: {len(staged)} staged new requests, expected "
+                f"{message.num_staged_new_reqs}"))
+        if staged:
+            so = message.scheduler_output
+            so.scheduled_new_reqs = staged + so.scheduled_new_reqs
+        return message
+
     def _execute(self, message: ExecuteStep) -> StepResult:
         start_ns = time.time_ns()
         try:
@@ -71,7 +95,6 @@ class WorkerService:
         except Exception as e:  # reported to the engine core, which fails loudly
             log.error("step failed", step_id=message.step_id, error=repr(e),
                       traceback=traceback.format_exc())
-            from engine_core.outputs import ModelRunnerOutput
             return StepResult(message.step_id, ModelRunnerOutput(), error=repr(e))
         self.num_steps += 1
         if self.tracer is not None and (message.traceparent or message.request_traceparents):

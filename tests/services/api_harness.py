@@ -16,7 +16,7 @@ from engine_core.outputs import EngineCoreOutput, FinishReason
 from services.api.app import APIServer
 from services.api.auth import APIKeys
 from services.api.http_server import serve_api
-from services.protocol import Health, QueueState
+from services.protocol import HealthSnapshot, QueueState
 from services.transport import Endpoint
 
 
@@ -35,6 +35,9 @@ class FakeEngine:
     aborted: list = field(default_factory=list)
     tenants: list = field(default_factory=list)  # (tenant, weight) of each add
     queue_state: QueueState = field(default_factory=lambda: QueueState(is_full=False))
+    # what fresh_health() returns: None plays a dead link or a stale snapshot
+    health: HealthSnapshot | None = field(default_factory=lambda: HealthSnapshot(
+        ok=True, detail={"num_running": 0.0}))
 
     def __post_init__(self):
         self.dead = asyncio.Event()
@@ -64,8 +67,8 @@ class FakeEngine:
     def forget(self, req_id):
         pass
 
-    async def health(self, timeout=5.0):
-        return Health(ok=True, detail={"num_running": 0.0})
+    def fresh_health(self):
+        return self.health
 
     async def metrics(self, timeout=5.0):
         return "# no metrics\n"

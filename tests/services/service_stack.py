@@ -3,6 +3,7 @@ import asyncio
 
 from config import load_config
 from services.engine_core_service.service import EngineCoreService
+from services.protocol import OutputDelta, RequestRejected
 from services.transport import Endpoint, start_site
 from services.worker_service.service import WorkerService
 
@@ -25,3 +26,22 @@ async def start_core_stack(config, tmp_path):
     runners.append(await start_site(core.app(), engine_ep))
     task = asyncio.get_running_loop().create_task(core.run())
     return worker, core, engine_ep, runners, task
+
+
+async def collect_outputs(link, want: set[str]) -> tuple[dict, dict]:
+    """Read an engine-core link until every id in ``want`` ended: tokens per sample id
+    and each RequestRejected by request id (a rejection ends all of its samples)."""
+    tokens, rejected, ended = {}, {}, set()
+    async for message in link.messages():
+        if isinstance(message, RequestRejected):
+            rejected[message.req_id] = message
+            ended |= {w for w in want
+                      if w == message.req_id or w.endswith("_" + message.req_id)}
+        elif isinstance(message, OutputDelta):
+            for out in message.outputs:
+                tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
+                if out.finished:
+                    ended.add(out.req_id)
+        if ended >= want:
+            return tokens, rejected
+    raise AssertionError("the engine core closed the link")

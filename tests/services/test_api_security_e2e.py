@@ -77,7 +77,7 @@ def test_tenants_never_share_prefix_cache_blocks(stack):
         assert await cached_tokens(KEY_B, url) == 0  # B's first sight of the prompt: no A blocks
         assert await cached_tokens(KEY_B, url) > 0  # B's own repeat hits B's own blocks
         assert await cached_tokens(KEY_A, url) > 0
-        await wait_engine_clean(stack.url, within=5.0)
+        await wait_engine_clean(stack.url, within=5.0, key=KEY_A)
     asyncio.run(main())
 
 
@@ -86,6 +86,10 @@ def test_real_processes_enforce_keys(stack):
         async with aiohttp.ClientSession() as s:
             async with s.get(stack.url + "/health") as r:
                 assert r.status == 200
+                assert await r.json() == {"status": "ok"}  # the gauges need a key
+            async with s.get(stack.url + "/health", headers={
+                    "Authorization": f"Bearer {KEY_B}"}) as r:
+                assert (await r.json())["engine"]["num_clients"] == 2
             for headers in ({}, {"Authorization": "Bearer sk-nope"}):
                 for path in ("/v1/models", "/metrics", "/openapi.json", "//v1/models",
                              "/v1/%6Dodels"):
@@ -138,5 +142,5 @@ def test_schemathesis_fuzzing_finds_no_server_error(stack):
 
             fuzz()
     assert num_calls >= FUZZ_EXAMPLES * 4  # bodies; a GET without input is one case
-    asyncio.run(wait_engine_clean(stack.url, within=10.0))  # nothing left running
+    asyncio.run(wait_engine_clean(stack.url, within=10.0, key=KEY_A))  # nothing left
     assert stack.proc.poll() is None  # and the stack is still up

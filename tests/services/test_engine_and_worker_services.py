@@ -3,26 +3,11 @@ import asyncio
 import time
 
 from engine_core.sampling_params import SamplingParams
-from services.protocol import AbortRequest, AddRequest, OutputDelta, RequestRejected
+from services.protocol import AbortRequest, AddRequest
 from services.transport import connect
-from tests.services.service_stack import start_core_stack, tiny_config
+from tests.services.service_stack import collect_outputs, start_core_stack, tiny_config
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-
-
-async def _collect(link, want_finished):
-    tokens, finished, rejected = {}, set(), {}
-    async for message in link.messages():
-        if isinstance(message, RequestRejected):
-            rejected[message.req_id] = message.param
-            finished.add(message.req_id)
-        elif isinstance(message, OutputDelta):
-            for out in message.outputs:
-                tokens.setdefault(out.req_id, []).extend(out.new_token_ids)
-                if out.finished:
-                    finished.add(out.req_id)
-        if finished >= want_finished:
-            return tokens, rejected
 
 
 def test_requests_flow_through_both_services(tiny_llama_dir, default_model_path, tmp_path):
@@ -43,14 +28,14 @@ def test_requests_flow_through_both_services(tiny_llama_dir, default_model_path,
             await link.send(AddRequest("bad", [1, 2], GREEDY.clone(max_tokens=10_000),
                                        "api-0", time.time()))
             tokens, rejected = await asyncio.wait_for(
-                _collect(link, set(prompts) | {"bad"}), 60)
-            assert rejected == {"bad": "max_tokens"}
+                collect_outputs(link, set(prompts) | {"bad"}), 60)
+            assert {k: r.param for k, r in rejected.items()} == {"bad": "max_tokens"}
             assert tokens == expected
             # an abort mid-flight frees everything
             await link.send(AddRequest("long", [3, 4, 5], GREEDY.clone(max_tokens=200),
                                        "api-0", time.time()))
             await link.send(AbortRequest(["long"]))
-            await asyncio.wait_for(_collect(link, {"long"}), 60)
+            await asyncio.wait_for(collect_outputs(link, {"long"}), 60)
             kv = service.engine.scheduler.kv_cache_manager
             assert kv.usage == 0.0 and not service.engine.has_unfinished_requests()
             await link.close()

@@ -7,12 +7,16 @@ from engine_core.outputs import EngineCoreOutput, FinishReason, ModelRunnerOutpu
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler_output import (BlockCopy, CachedRequestData, NewRequestData,
                                           SchedulerOutput)
+from engine_core.worker_sampling import WorkerSamplingParams
 from services.protocol import (PROTOCOL_VERSION, AbortRequest, AddRequest, ExecuteStep,
-                               Health, OutputDelta, ProtocolError, RequestRejected,
-                               Shutdown, StepResult, WorkerReady, decode, encode)
+                               Health, HealthSnapshot, OutputDelta, ProtocolError,
+                               RequestRejected, Shutdown, StageNewRequests, StepResult,
+                               WorkerReady, decode, encode)
 
 PARAMS = SamplingParams(temperature=0.7, top_k=5, stop=["\n\n"], seed=3, max_tokens=9,
-                        logprobs=2)
+                        logprobs=2, min_tokens=1, stop_token_ids=[4, 9, 7])
+WORKER_PARAMS = WorkerSamplingParams.from_params(PARAMS)
+NEW = NewRequestData("r1", [1, 2, 3], 3, WORKER_PARAMS, [5, 6], 0)
 LOGPROBS = TokenLogprobs(token_id=7, logprob=-0.25, rank=1, top_token_ids=[7, 8],
                          top_logprobs=[-0.25, -1.5])
 
@@ -24,11 +28,13 @@ MESSAGES = [
                                   num_cached_tokens=16, parent_req_id="p", index=1),
                  EngineCoreOutput("r2", [])]),
     ExecuteStep(4, SchedulerOutput(
-        scheduled_new_reqs=[NewRequestData("r1", [1, 2, 3], 3, PARAMS, [5, 6], 0)],
+        scheduled_new_reqs=[NEW],
         scheduled_cached_reqs=[CachedRequestData("r0", [9], 31)],
         num_scheduled_tokens={"r1": 3, "r0": 1}, total_num_scheduled_tokens=4,
         finished_req_ids={"gone"}, blocks_to_copy=[BlockCopy(5, 8)],
-        num_cached_tokens={"r1": 0})),
+        num_cached_tokens={"r1": 0}), num_staged_new_reqs=2),
+    StageNewRequests(4, [NEW, NEW]),
+    HealthSnapshot(True, {"num_running": 2.0, "num_referenced_blocks": 7.0}),
     StepResult(4, ModelRunnerOutput(["r1"], [[7]], [[LOGPROBS]])),
     StepResult(5, ModelRunnerOutput(), error="worker failed"),
     Health(True, {"num_running": 3.0, "kv_cache_usage": 0.25}),
@@ -62,6 +68,10 @@ def frame(body, type_="AbortRequest", v=PROTOCOL_VERSION):
     frame({}),  # missing field
     frame({"req_id": "r", "prompt_token_ids": [1], "client_id": "c", "arrival_time": 0,
            "sampling_params": {"temperature": -1.0}}, type_="AddRequest"),  # invalid params
+    frame({"req_id": "r", "prompt_token_ids": [1, True], "client_id": "c",
+           "arrival_time": 0, "sampling_params": {}}, type_="AddRequest"),  # a bool id
+    frame({"req_id": "r", "prompt_token_ids": [1], "client_id": "c", "arrival_time": 0,
+           "sampling_params": {"stop_token_ids": [1, -2]}}, type_="AddRequest"),
     msgpack.packb({"v": 1, "type": "Shutdown", "body": {"reason": "x"}, "more": 1}),
 ])
 def test_bad_frames_are_protocol_errors(raw):
@@ -72,3 +82,21 @@ def test_bad_frames_are_protocol_errors(raw):
 def test_only_protocol_messages_encode():
     with pytest.raises(TypeError):
         encode(PARAMS)
+
+
+def test_worker_params_carry_no_stop_strings_and_stop_ids_only_with_min_tokens():
+    assert WORKER_PARAMS.stop_token_ids and set(WORKER_PARAMS.stop_token_ids) == {4, 7, 9}
+    plain = WorkerSamplingParams.from_params(PARAMS.clone(min_tokens=0))
+    assert plain.stop_token_ids == () and not hasattr(plain, "stop")
+    huge = SamplingParams(stop=["x" * 100_000] * 16, stop_token_ids=range(40_000))
+    assert len(encode(StageNewRequests(0, [NewRequestData(
+        "r", [1], 1, WorkerSamplingParams.from_params(huge), [1], 0)]))) < 1000
+
+
+def test_token_id_lists_decode_to_their_declared_containers():
+    message = decode(encode(AddRequest("r", list(range(1000)), PARAMS, "c", 0.0)))
+    assert message.prompt_token_ids == list(range(1000))
+    assert message.sampling_params.stop_token_ids == frozenset({4, 7, 9})
+    assert decode(encode(ExecuteStep(1, SchedulerOutput(
+        scheduled_new_reqs=[NEW])))).scheduler_output.scheduled_new_reqs[0] \
+        .sampling_params.stop_token_ids == WORKER_PARAMS.stop_token_ids

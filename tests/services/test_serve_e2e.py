@@ -39,18 +39,20 @@ def client(url):
     return openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
 
 
-async def engine_gauges(url) -> dict:
+async def engine_gauges(url, key: str | None = None) -> dict:
+    """The engine's gauges from /health (with keys set, they need one)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     async with aiohttp.ClientSession() as s:
-        async with s.get(url + "/health") as r:
+        async with s.get(url + "/health", headers=headers) as r:
             assert r.status == 200
             return (await r.json())["engine"]
 
 
-async def wait_engine_clean(url, within: float = 2.0) -> dict:
+async def wait_engine_clean(url, within: float = 2.0, key: str | None = None) -> dict:
     """Poll /health until no request is left and every KV block is free again."""
     deadline = asyncio.get_running_loop().time() + within
     while True:
-        g = await engine_gauges(url)
+        g = await engine_gauges(url, key)
         if (g["num_running"] == 0 and g["num_waiting"] == 0
                 and g["num_free_blocks"] == g["num_blocks"]):
             return g

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from engine_core.sampling_params import SamplingParams
+from engine_core.worker_sampling import WorkerSamplingParams
 from worker.attention_backend import (NATIVE_CPU, TORCH, TRITON, AttentionBackend,
                                       choose_attention_backend)
 from worker.cuda_graphs import DecodeCudaGraphs, capture_sizes, padded_size
@@ -113,7 +114,7 @@ def test_decode_graph_padding_matches_eager(make_tiny_llm, monkeypatch):
         blocks = list(range(next_block, next_block + -(-(n + 1) // 16)))
         next_block += len(blocks)
         states.append(CachedRequestState(f"r{i}", [rng.randrange(3, 49152) for _ in range(n)],
-                                         n, SamplingParams(), blocks, 0, None))
+                                         n, WorkerSamplingParams(), blocks, 0, None))
     with torch.inference_mode():
         prefill = build_input_batch(states, [len(s.token_ids) for s in states], 16, None,
                                     backend)

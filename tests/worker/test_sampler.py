@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from engine_core.sampling_params import SamplingParams
+from engine_core.worker_sampling import WorkerSamplingParams
 from worker.request_state import make_generator
 from worker.sampler import Sampler
 from worker.sampling_metadata import SamplingMetadata
@@ -45,7 +45,7 @@ def expected(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
 def test_draws_follow_the_processed_distribution(kw):
     torch.manual_seed(1)
     n = 40_000
-    params = [SamplingParams(**kw)] * n
+    params = [WorkerSamplingParams(**kw)] * n
     tokens, _ = sample(LOGITS.expand(n, -1).clone(), params)
     freq = torch.bincount(tokens, minlength=len(LOGITS)).double() / n
     want = expected(**kw).double()
@@ -57,24 +57,24 @@ def test_draws_follow_the_processed_distribution(kw):
 
 def test_greedy_takes_argmax_and_ignores_noise():
     logits = torch.randn(8, 100)
-    tokens, _ = sample(logits, [SamplingParams(temperature=0.0)] * 8)
+    tokens, _ = sample(logits, [WorkerSamplingParams(temperature=0.0)] * 8)
     assert torch.equal(tokens, logits.argmax(-1))
 
 
 def test_seeded_rows_do_not_depend_on_the_batch():
     torch.manual_seed(0)
     row = torch.randn(1, 1000)
-    alone = [sample(row, [SamplingParams(seed=7)], [make_generator(7, 0, 1000)])[0].item()]
+    alone = [sample(row, [WorkerSamplingParams(seed=7)], [make_generator(7, 0, 1000)])[0].item()]
     gen = make_generator(7, 0, 1000)
-    alone += [sample(row, [SamplingParams(seed=7)], [gen])[0].item() for _ in range(5)]
+    alone += [sample(row, [WorkerSamplingParams(seed=7)], [gen])[0].item() for _ in range(5)]
     alone = alone[1:]  # five draws from one stream
     gen = make_generator(7, 0, 1000)
     mixed = []
     for step in range(5):
         others = torch.randn(3 + step, 1000)
         batch = torch.cat([others[:2], row, others[2:]])
-        params = [SamplingParams()] * 2 + [SamplingParams(seed=7)] + \
-            [SamplingParams(seed=step)] * (batch.shape[0] - 3)
+        params = [WorkerSamplingParams()] * 2 + [WorkerSamplingParams(seed=7)] + \
+            [WorkerSamplingParams(seed=step)] * (batch.shape[0] - 3)
         gens = [None, None, gen] + [make_generator(step, 0, 1000)] * (batch.shape[0] - 3)
         mixed.append(sample(batch, params, gens)[0][2].item())
     assert mixed == alone
@@ -83,17 +83,17 @@ def test_seeded_rows_do_not_depend_on_the_batch():
 def test_generator_fast_forward_resumes_the_stream():
     row = torch.randn(1, 500)
     gen = make_generator(3, 0, 500)
-    stream = [sample(row, [SamplingParams(seed=3)], [gen])[0].item() for _ in range(6)]
+    stream = [sample(row, [WorkerSamplingParams(seed=3)], [gen])[0].item() for _ in range(6)]
     resumed = make_generator(3, 4, 500)
-    assert [sample(row, [SamplingParams(seed=3)], [resumed])[0].item()
+    assert [sample(row, [WorkerSamplingParams(seed=3)], [resumed])[0].item()
             for _ in range(2)] == stream[4:]
 
 
 def test_penalties():
     logits = torch.tensor([[3.0, 2.0, 1.0, -1.0]] * 3)
-    params = [SamplingParams(temperature=0, repetition_penalty=2.0),
-              SamplingParams(temperature=0, frequency_penalty=1.0),
-              SamplingParams(temperature=0, presence_penalty=1.5)]
+    params = [WorkerSamplingParams(temperature=0, repetition_penalty=2.0),
+              WorkerSamplingParams(temperature=0, frequency_penalty=1.0),
+              WorkerSamplingParams(temperature=0, presence_penalty=1.5)]
     md = SamplingMetadata.build(params, [None] * 3, [[0], [], []], [[3], [0, 0], [0, 0]], ())
     from worker.sampler import apply_penalties
     out = apply_penalties(logits, md)
@@ -106,19 +106,19 @@ def test_penalties():
 
 def test_min_tokens_bans_eos_and_stop_ids():
     logits = torch.tensor([[0.0, 5.0, 9.0, 1.0]] * 2)
-    params = [SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1]),
-              SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1])]
+    params = [WorkerSamplingParams(temperature=0, min_tokens=2, stop_token_ids=(1,)),
+              WorkerSamplingParams(temperature=0, min_tokens=2, stop_token_ids=(1,))]
     tokens, _ = sample(logits, params, outputs=[[0], [0, 0]], eos=(2,))
     assert tokens.tolist() == [3, 2]  # row 0 still under min_tokens: 2 and 1 banned
 
 
 def test_logprobs_are_raw_and_ranked():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
-    tokens, lps = sample(logits, [SamplingParams(temperature=0, logprobs=2)])
+    tokens, lps = sample(logits, [WorkerSamplingParams(temperature=0, logprobs=2)])
     lp = lps[0]
     ref = logits.log_softmax(-1)[0]
     assert lp.token_id == 1 and lp.rank == 1
     assert math.isclose(lp.logprob, ref[1].item(), rel_tol=1e-6)
     assert lp.top_token_ids == [1, 2]
-    _, none = sample(logits, [SamplingParams(temperature=0)])
+    _, none = sample(logits, [WorkerSamplingParams(temperature=0)])
     assert none == [None]
