@@ -156,7 +156,8 @@ class ModelRunner:
                 req_id=new.req_id, token_ids=list(new.token_ids),
                 num_prompt_tokens=new.num_prompt_tokens, sampling_params=p,
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
-                generator=make_generator(p.seed, new.num_output_tokens, self.arch.vocab_size))
+                generator=make_generator(p.seed, new.num_output_tokens, self.arch.vocab_size,
+                                         self.device))
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -169,11 +170,29 @@ class ModelRunner:
             return self.cuda_graphs.run(batch)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
 
+    def _sync(self) -> None:
+        """Wait for the device, so a wall-clock split of the step is honest on CUDA."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def sample(self, states: list[CachedRequestState], logits: torch.Tensor
+               ) -> tuple[list[int], list]:
+        """One token per state from its row of ``logits``, sampled on the logits'
+        device; only the ids and any requested logprobs cross to the host."""
+        md = SamplingMetadata.build(
+            [s.sampling_params for s in states], [s.generator for s in states],
+            [s.prompt_token_ids for s in states], [s.output_token_ids for s in states],
+            self.eos_token_ids, logits.device)
+        tokens, logprobs = self.sampler(logits, md)
+        return tokens.tolist(), logprobs
+
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; returns the tokens sampled for requests that reached their end.
 
-        ``last_timing`` then holds where the step's time went (CPU wall clock)."""
+        ``last_timing`` then holds where the step's time went (wall clock; on CUDA the
+        device is synchronised after the forward pass, so sampling is not billed for it).
+        """
         t0 = time.perf_counter()
         timing = self.last_timing = StepTiming()
         self._update_states(so)
@@ -191,19 +210,14 @@ class ModelRunner:
         hidden = self.forward(batch)
         for state, n in zip(states, (so.num_scheduled_tokens[r] for r in req_ids)):
             state.num_computed_tokens += n
-        if not batch.sampling_states:
-            timing.forward_seconds = time.perf_counter() - t1
-            return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        sampling = batch.sampling_states
+        logits = self.model.compute_logits(hidden[batch.logits_indices]) if sampling else None
+        self._sync()
         t2 = time.perf_counter()
         timing.forward_seconds = t2 - t1
-        sampling = batch.sampling_states
-        md = SamplingMetadata.build(
-            [s.sampling_params for s in sampling], [s.generator for s in sampling],
-            [s.prompt_token_ids for s in sampling] , [s.output_token_ids for s in sampling],
-            self.eos_token_ids)
-        tokens, logprobs = self.sampler(logits.cpu(), md)
-        token_list = tokens.tolist()
+        if not sampling:
+            return ModelRunnerOutput()
+        token_list, logprobs = self.sample(sampling, logits)
         for state, token in zip(sampling, token_list):
             state.token_ids.append(token)
         timing.sample_seconds = time.perf_counter() - t2
