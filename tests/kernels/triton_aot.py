@@ -145,6 +145,7 @@ def report(launch: Launch, sm: int) -> dict:
            **cubin_resources(compiled.asm["cubin"]), "hinted_args": hinted,
            "constexprs": constexprs}
     if launch.live is not None:
+        launch.live._init_handles()  # loads the cubin: the driver's counts (a no-op if run)
         row.update(live_registers=launch.live.n_regs, live_spills=launch.live.n_spills,
                    live_matches=launch.live.n_regs == row["registers"])
     return row
