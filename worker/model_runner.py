@@ -178,7 +178,7 @@ class ModelRunner:
             return self.cuda_graphs.run(batch)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
 
-    def _sync(self) -> None:
+    def synchronize(self) -> None:
         """Wait for the device, so a wall-clock split of the step is honest on CUDA."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -220,7 +220,7 @@ class ModelRunner:
             state.num_computed_tokens += n
         sampling = batch.sampling_states
         logits = self.model.compute_logits(hidden[batch.logits_indices]) if sampling else None
-        self._sync()
+        self.synchronize()
         t2 = time.perf_counter()
         timing.forward_seconds = t2 - t1
         if not sampling:
