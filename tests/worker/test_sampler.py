@@ -138,8 +138,9 @@ def test_logprobs_are_raw_and_ranked(device):
 
 
 def test_logprobs_of_some_rows_equal_the_whole_batch_computation(device):
-    """Only the rows that ask are computed (and copied), bit for bit what the whole
-    batch's log_softmax gives them; other rows get None."""
+    """Only the rows that ask are computed (and copied): on the CPU bit for bit what the
+    whole batch's log_softmax gives them (as before rows were selected), on CUDA within
+    1e-6 (its kernels promise no bitwise equality across batch shapes); others get None."""
     torch.manual_seed(3)
     logits = torch.randn(6, 2000, device=device) * 4
     asks = [None, 0, 3, None, 7, 1]
@@ -153,10 +154,16 @@ def test_logprobs_of_some_rows_equal_the_whole_batch_computation(device):
             assert lps[i] is None
             continue
         lp, row = lps[i], full[i]
-        assert lp.token_id == tokens[i].item() and lp.logprob == row[lp.token_id].item()
-        assert lp.rank == int((row > row[lp.token_id]).sum()) + 1
         top_vals, top_ids = row.topk(k) if k else (row[:0], row[:0].long())
-        assert lp.top_token_ids == top_ids.tolist() and lp.top_logprobs == top_vals.tolist()
+        assert lp.token_id == tokens[i].item() and lp.top_token_ids == top_ids.tolist()
+        if device.type == "cpu":
+            assert lp.logprob == row[lp.token_id].item()
+            assert lp.rank == int((row > row[lp.token_id]).sum()) + 1
+            assert lp.top_logprobs == top_vals.tolist()
+        else:
+            assert lp.logprob == pytest.approx(row[lp.token_id].item(), rel=1e-6, abs=1e-6)
+            assert abs(lp.rank - (int((row > row[lp.token_id]).sum()) + 1)) <= 1
+            assert lp.top_logprobs == pytest.approx(top_vals.tolist(), rel=1e-6, abs=1e-6)
 
 
 def test_penalty_counts_are_built_on_the_logits_device(device):
