@@ -89,7 +89,8 @@ def _timed_step(runner, states) -> tuple[float, float, float]:
     return t2 - t0, t1 - t0, t2 - t1
 
 
-def decode_step_ms(llm, batch_sizes: list[int], context: int, iters: int) -> dict:
+def decode_step_ms(llm, batch_sizes: list[int], context: int, iters: int,
+                   warmup: int = 3) -> dict:
     """Median whole-step time per batch size and mode, with the parts' medians."""
     runner = llm.runner
     states = _decode_states(runner, max(batch_sizes), context)
@@ -101,7 +102,7 @@ def decode_step_ms(llm, batch_sizes: list[int], context: int, iters: int) -> dic
                 if mode == "cuda_graphs" and g is None:
                     continue
                 runner.cuda_graphs = g
-                for _ in range(3):
+                for _ in range(warmup):
                     _timed_step(runner, states[:b])
                 times = [_timed_step(runner, states[:b]) for _ in range(iters)]
                 step, forward, sample = (statistics.median(t) * 1000 for t in zip(*times))
@@ -128,6 +129,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--decode-batch", type=int, nargs="+", default=[1, 32, 256])
     ap.add_argument("--decode-context", type=int, default=512)
     ap.add_argument("--decode-iters", type=int, default=30)
+    ap.add_argument("--decode-warmup", type=int, default=3)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--json", default=None)
     return ap.parse_args(argv)
@@ -176,7 +178,7 @@ def main(argv=None) -> int:
     result["folio"] = run_folio(llm, reqs)
     print(f"folio : {result['folio']['output_tok_s']:9.1f} output tok/s", flush=True)
     result["decode_step_ms"] = decode_step_ms(llm, args.decode_batch, args.decode_context,
-                                              args.decode_iters)
+                                              args.decode_iters, args.decode_warmup)
     del llm, runner  # free the KV pool and graphs before Hugging Face takes the device
     gc.collect()
     if device.type == "cuda":

@@ -131,7 +131,8 @@ BENCH=(--decode-batch 1 32 256)
 if [ "$QUICK" = 1 ]; then
   PARITY+=(--small --prompts 3 --tokens 8 --prompt-len 8 32)
   BENCH+=(--small --attention-backend torch --num-requests 8 --prompt-len 8 32
-          --output-len 8 16 --hf-batch-size 8 --decode-context 16 --decode-iters 2)
+          --output-len 8 16 --hf-batch-size 8 --decode-batch 1 4 16 --decode-context 16
+          --decode-iters 2 --decode-warmup 1)
 elif [ "$CUDA" != 1 ]; then  # a CPU: the same sections, a workload it finishes
   PARITY+=(--small)
   BENCH+=(--small --num-requests 32 --prompt-len 32 128 --output-len 16 64

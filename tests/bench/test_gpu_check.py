@@ -47,7 +47,7 @@ def test_gpu_check_dry_run(tmp_path, gpu_wheel_folder):
     assert set(headline["bench"]) == {"smollm2", "tinyllama"}
     for name, bench in details["bench"].items():
         assert bench["device"] == "cpu" and bench["cuda_graphs"] is False
-        assert set(bench["decode_step_ms"]) == {"1", "32", "256"}
+        assert set(bench["decode_step_ms"]) == {"1", "4", "16"}  # 1, 32, 256 on a GPU
         for row in bench["decode_step_ms"].values():
             assert row["eager"] > 0 and row["parts"]["eager"]["sample"] > 0
         assert bench["folio"]["output_tok_s"] > 0 and bench["hf_generate"]["output_tok_s"] > 0
