@@ -39,7 +39,7 @@ while [ $# -gt 0 ]; do
     --wheels) WHEELS=$2; shift 2 ;;
     --quick) QUICK=1; shift ;;
     --dry-run) DRY=1; QUICK=1; shift ;;
-    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
