@@ -92,6 +92,11 @@ class APIConfig:
                                       "beyond); at least max_body_bytes")
     max_stop_string_chars: int = _f(1024, "longest stop string in characters")
     max_stop_token_ids: int = _f(256, "most stop_token_ids per request (at most the vocab)")
+    tenant_body_bytes_per_s: int = _f(16 * 1024 * 1024, "request-body bytes a second one "
+                                      "tenant (API key) may send per API process; 429 + "
+                                      "Retry-After beyond; 0: no limit")
+    tenant_body_burst_bytes: int = _f(16 * 1024 * 1024, "request-body bytes one tenant may "
+                                      "send at once; at least max_body_bytes")
     max_json_values: int = _f(262144, "most values (list items, object members) in one "
                               "JSON body, refused before parsing (400 beyond)")
     num_tokenizer_threads: int = _f(2, "threads per API process that tokenize and render "
@@ -120,6 +125,12 @@ class APIConfig:
                "the largest allowed body could never be read)")
         _check(self.max_stop_string_chars >= 1, "api.max_stop_string_chars", "must be >= 1")
         _check(self.max_stop_token_ids >= 0, "api.max_stop_token_ids", "must be >= 0")
+        _check(self.tenant_body_bytes_per_s >= 0, "api.tenant_body_bytes_per_s",
+               "must be >= 0")
+        _check(self.tenant_body_bytes_per_s == 0
+               or self.tenant_body_burst_bytes >= self.max_body_bytes,
+               "api.tenant_body_burst_bytes", "must be at least api.max_body_bytes (else "
+               "the largest allowed body could never be sent)")
         _check(self.max_json_values >= 1024, "api.max_json_values", "must be at least 1024")
         _check(1 <= self.num_tokenizer_threads <= 64, "api.num_tokenizer_threads",
                "must be in 1..64")

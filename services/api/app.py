@@ -21,6 +21,7 @@ from services.api.admission import Admission
 from services.api.api_metrics import APIMetrics
 from services.api.auth import CACHE_SALT, TENANT, APIKeys, Authenticator
 from services.api.body_budget import BodyBudget
+from services.api.body_rate import BodyRate
 from services.api.connection_guard import CONNECTION_GUARD, ConnectionGuard
 from services.api.engine_client import EngineClient, EngineDead
 from services.api.errors import error_middleware
@@ -57,6 +58,8 @@ class APIServer:
             tokenizer.token_span))
         self.admission = Admission(engine)
         self.body_budget = BodyBudget(self.api.max_buffered_body_bytes)
+        self.body_rate = BodyRate(self.api.tenant_body_bytes_per_s,
+                                  self.api.tenant_body_burst_bytes)
         self.connections = ConnectionGuard(self.api)
         self.api_metrics = APIMetrics(self.connections, self.body_budget)
         self.tokens = TokenizerPool(tokenizer, self.api.num_tokenizer_threads,
@@ -90,8 +93,13 @@ class APIServer:
         self.tokens.close()
 
     async def _body(self, request) -> dict:
+        tenant = request.get(TENANT)
+        check_declared_size(request, self.api.max_body_bytes)  # 413 before 429
+        self.body_rate.take(tenant, request.content_length or 0)
         with self.body_budget.reservation() as reservation:
             raw = await read_body(request, self.api.max_body_bytes, reservation)
+            if request.content_length is None:  # chunked: charged once its size is known
+                self.body_rate.take(tenant, len(raw), may_borrow=True)
             body = parse_json_object(raw, self.api.max_json_values)
         check_model(body, self.model_name)
         return body
