@@ -44,6 +44,10 @@ FLAT_ALIASES = {
     "num_threads": "worker.num_threads",
     "enforce_eager": "worker.enforce_eager",
     "attention_backend": "worker.attention_backend",
+    "enable_lora": "lora.enable_lora",
+    "max_loras": "lora.max_loras",
+    "max_lora_rank": "lora.max_lora_rank",
+    "max_cpu_loras": "lora.max_cpu_loras",
 }
 
 
@@ -85,6 +89,8 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         key_type, value_type = typing.get_args(tp)
         return {_coerce(k, key_type, key, source): _coerce(v, value_type, key, source)
                 for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return _coerce_item(value, tp, key, source)
     ok = {
         bool: lambda v: isinstance(v, bool),
         int: lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -94,6 +100,18 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     if not ok:
         raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r} (in {source})", key)
     return float(value) if tp is float else value
+
+
+def _coerce_item(value: Any, cls: type, key: str, source: str) -> Any:
+    """One list item that is a small dataclass (lora.adapters): a YAML mapping of its
+    fields, or the ``name=path`` text its ``parse`` reads (from env or --set)."""
+    if isinstance(value, str) and hasattr(cls, "parse"):
+        return cls.parse(value)
+    hints = _section_types(cls)
+    if not isinstance(value, dict) or not set(value) <= set(hints):
+        raise ConfigError(f"{key}: expected a mapping with keys {', '.join(hints)}, got "
+                          f"{value!r} (in {source})", key)
+    return cls(**{k: _coerce(v, hints[k], key, source) for k, v in value.items()})
 
 
 def _set_path(tree: dict, dotted: str, value: Any, source: str) -> None:
