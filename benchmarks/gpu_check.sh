@@ -7,6 +7,8 @@
 #   4. parity      greedy tokens and logits against Hugging Face on the default model
 #   5. bench       Folio vs Hugging Face generate on the same device, and decode step
 #                  time at batch 1, 32 and 256 with and without CUDA graphs
+#   6. lora        the LoRA shrink/expand kernels against their reference, and the
+#                  multi-LoRA throughput benchmark (lora_kernels, lora_bench)
 #
 #   benchmarks/gpu_check.sh [--wheels DIR] [--quick]
 #
@@ -32,7 +34,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --wheels) WHEELS=$2; shift 2 ;;
     --quick) QUICK=1; shift ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -153,6 +155,21 @@ elif [ "$CUDA" != 1 ]; then  # a CPU: the same sections, a workload it finishes
 fi
 section bench 200 "${BENCH[@]}"
 
+# --- LoRA (issue 15): the shrink/expand kernels against their torch reference, then
+# benchmarks/lora_throughput.py (mixed adapters vs base vs one adapter at a time).
+LORA_KERNELS=(tests/kernels/test_lora_kernels.py)
+LORA_BENCH=("$PY" benchmarks/lora_throughput.py --json "$WORK/lora_bench.json")
+if [ "$QUICK" = 1 ]; then
+  LORA_KERNELS=("tests/kernels/test_lora_kernels.py::test_mapping_groups_runs_and_skips_base_rows"
+                "tests/kernels/test_lora_kernels.py::test_shrink_then_expand_match_the_reference[mixed-16-triton-fp32]")
+  LORA_BENCH+=(--model tiny --num-requests 8 --num-adapters 2 --rank 8 --prompt-len 8 32
+               --output-len 4 8)
+elif [ "$CUDA" != 1 ]; then
+  LORA_BENCH+=(--num-requests 16 --num-adapters 4 --prompt-len 16 64 --output-len 8 16)
+fi
+section lora_kernels 120 env TRITON_INTERPRET=$((1 - CUDA)) "${PYTEST[@]}" "${LORA_KERNELS[@]}"
+section lora_bench 240 "${LORA_BENCH[@]}"
+
 "$PY" - "$WORK" "${OUT:-}" "$QUICK" <<'EOF'
 import json, sys
 from pathlib import Path
@@ -161,7 +178,7 @@ def load(p):
     return json.loads(p.read_text()) if p.is_file() else None
 sections = {p.stem: load(p) for p in sorted((work / "sections").glob("*.json"))}
 result = {"quick": quick, "env": load(work / "env.json"), "sections": sections,
-          "bench": load(work / "bench.json"),
+          "bench": load(work / "bench.json"), "lora_bench": load(work / "lora_bench.json"),
           "ok": all(s["status"] in ("passed", "skipped") for s in sections.values())}
 print("\n=== summary ===")
 for name, s in sections.items():
