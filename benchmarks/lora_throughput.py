@@ -76,9 +76,11 @@ def timed(llm, reqs, lora_requests) -> dict:
 
 def run(args) -> dict:
     from folio import LLM, LoRARequest
-    from gpu_bench import prepare_model
+    from random_checkpoints import ARCHS, write_checkpoint
     tmp = Path(tempfile.mkdtemp(prefix="folio-lora-bench-"))
-    model, _ = prepare_model(args.model, tmp)  # default, tiny (random, for smoke runs), a path
+    model = args.model  # "default", a path, or a random checkpoint in a real model's shape
+    if model in ARCHS:
+        model = str(write_checkpoint(model, tmp / model))
     llm = LLM(model=model, dtype=args.dtype, max_num_seqs=args.num_requests,
               max_model_len=1024, enable_prefix_caching=False, enable_lora=True,
               max_loras=args.num_adapters, max_cpu_loras=args.num_adapters,
@@ -113,8 +115,9 @@ def machine() -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="default", help="default, tiny (a random 2-layer "
-                   "Llama for smoke runs) or a model path")
+    p.add_argument("--model", default="default", help="default (SmolLM2-135M-Instruct), a "
+                   "model path, or a random checkpoint of benchmarks/random_checkpoints.py "
+                   "(smollm2-random: the default's shape, where it is not installed; tiny)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--num-adapters", type=int, default=8)

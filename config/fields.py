@@ -1,10 +1,11 @@
-"""What every config section is made of: documented fields and checks naming the key."""
+"""What every config section is made of: documented fields and checked values."""
 from __future__ import annotations
 
 from dataclasses import field
 
 
 def _f(default, doc: str, **kw):
+    """A field with its one-line doc (``folio config`` prints it) and extra metadata."""
     return field(default=default, metadata={"doc": doc, **kw})
 
 

@@ -1,5 +1,9 @@
 """structlog set-up: console or JSON lines, level from the YAML observability section,
-and :class:`RateLimitedLog` for events a hostile client can repeat at will."""
+and :class:`RateLimitedLog` for events a hostile client can repeat at will.
+
+Without structlog installed (a bare GPU machine), loggers are stdlib ones taking the
+same calls (observability/plain_logging.py), so nothing below the services needs it.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +12,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import structlog
+from observability import plain_logging
+
+try:
+    import structlog
+except ImportError:  # the services need it; kernels and the worker do not
+    structlog = None
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
@@ -16,6 +25,9 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 
 def configure_logging(level: str = "info", fmt: str = "console") -> None:
     """Route structlog (and stdlib logging) to stderr in the chosen format."""
+    if structlog is None:
+        plain_logging.configure(_LEVELS[level], fmt)
+        return
     renderer = (structlog.processors.JSONRenderer() if fmt == "json"
                 else structlog.dev.ConsoleRenderer(colors=False))
     structlog.configure(
@@ -33,7 +45,9 @@ def configure_logging(level: str = "info", fmt: str = "console") -> None:
 
 
 def get_logger(name: str | None = None):
-    """A structlog logger bound to the module name."""
+    """A structlog logger bound to the module name (a stdlib one without structlog)."""
+    if structlog is None:
+        return plain_logging.PlainLogger(name)
     return structlog.get_logger(name)
 
 
@@ -42,6 +56,7 @@ class _Kind:
     message: str = ""
     fields: dict = field(default_factory=dict)
     num_pending: int = 0  # events not yet in a log line
+    quiet_below: int = 0  # fewer events than this in an interval: a debug line
     next_at: float = 0.0  # monotonic time before which no line is written
     handle: asyncio.TimerHandle | None = None
 
@@ -59,9 +74,12 @@ class RateLimitedLog:
         self._logger, self.interval_s = logger, interval_s
         self._kinds: dict[str, _Kind] = {}
 
-    def event(self, kind: str, message: str, **fields) -> None:
+    def event(self, kind: str, message: str, quiet_below: int = 0, **fields) -> None:
+        """Count one event; an interval with fewer than ``quiet_below`` events of its
+        kind is logged at debug level instead (routine events that only a flood of
+        them makes worth a warning)."""
         state = self._kinds.setdefault(kind, _Kind())
-        state.message, state.fields = message, fields
+        state.message, state.fields, state.quiet_below = message, fields, quiet_below
         state.num_pending += 1
         now = time.monotonic()
         if now >= state.next_at:
@@ -79,7 +97,8 @@ class RateLimitedLog:
             state.handle.cancel()
             state.handle = None
         if state.num_pending:
-            self._logger.warning(state.message, kind=kind, num_events=state.num_pending,
-                                 **state.fields)
+            emit = (self._logger.debug if state.num_pending < state.quiet_below
+                    else self._logger.warning)
+            emit(state.message, kind=kind, num_events=state.num_pending, **state.fields)
             state.num_pending = 0
             state.next_at = time.monotonic() + self.interval_s
