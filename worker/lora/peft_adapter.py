@@ -132,14 +132,27 @@ def _parse_key(key: str, num_layers: int) -> tuple[int, str, str]:
         raise LoRAAdapterError("modules_to_save is not supported")
     match = _KEY.match(key)
     if match is None or match.group(2) not in PEFT_MODULES:
-        module = key.split(".lora_")[0].rsplit(".", 1)[-1] if ".lora_" in key else key
-        raise LoRAAdapterError(f"unknown target module {module[:80]!r}: Folio adapts "
-                               f"{', '.join(PEFT_MODULES)}")
+        if ".lora_" in key:
+            raise LoRAAdapterError(f"unknown target module {_module_of(key)!r}: Folio "
+                                   f"adapts {', '.join(PEFT_MODULES)}")
+        raise LoRAAdapterError(f"unknown target module {_module_of(key)!r}: the adapter "
+                               f"holds its whole weights (modules_to_save is not "
+                               f"supported); Folio adapts {', '.join(PEFT_MODULES)}")
     layer = int(match.group(1))
     if layer >= num_layers:
         raise LoRAAdapterError(f"the adapter has layer {layer}; the base model has "
                                f"{num_layers} layers")
     return layer, match.group(2), match.group(3)
+
+
+_NOT_MODULES = {"base_model", "model", "layers", "self_attn", "mlp", "base_layer",
+                "weight", "bias", "lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"}
+
+
+def _module_of(key: str) -> str:
+    """The module a tensor name is about (``lm_head``, ``embed_tokens``...)."""
+    parts = [p for p in key.split(".") if p not in _NOT_MODULES and not p.isdigit()]
+    return (parts[0] if parts else key)[:80]
 
 
 def load_peft_adapter(folder: str | Path, arch: ModelArchitecture,
