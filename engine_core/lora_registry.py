@@ -83,6 +83,12 @@ class LoRAAdapter:
         return self.state is AdapterState.LOADING or self.num_requests > self.num_parked
 
 
+def _registered(adapter: LoRAAdapter | None, message: str, param: str) -> LoRAAdapter:
+    if adapter is None or not adapter.is_registered:
+        raise UnknownLoRAError(message, param)
+    return adapter
+
+
 class LoRARegistry:
     """Adapters by name and id, their states, and the commands the worker still needs."""
 
@@ -118,10 +124,8 @@ class LoRARegistry:
 
     def resolve(self, name: str) -> LoRAAdapter:
         """The registered adapter called ``name`` (UnknownLoRAError otherwise)."""
-        adapter = self.by_name.get(name)
-        if adapter is None or not adapter.is_registered:
-            raise UnknownLoRAError(f"model {name[:100]!r} does not exist", "model")
-        return adapter
+        return _registered(self.by_name.get(name), f"model {name[:100]!r} does not exist",
+                           "model")
 
     def unregister(self, name: str) -> LoRAAdapter:
         """Unload by name: new requests are refused at once, live ones finish."""
@@ -200,10 +204,8 @@ class LoRARegistry:
 
     def registered_id(self, lora_id: int) -> LoRAAdapter:
         """The registered adapter with id ``lora_id`` (UnknownLoRAError otherwise)."""
-        adapter = self.by_id.get(lora_id)
-        if adapter is None or not adapter.is_registered:
-            raise UnknownLoRAError(f"no LoRA adapter has id {lora_id}", "lora_id")
-        return adapter
+        return _registered(self.by_id.get(lora_id), f"no LoRA adapter has id {lora_id}",
+                           "lora_id")
 
     def acquire(self, lora_id: int) -> LoRAAdapter:
         """A new request holds adapter ``lora_id`` (an unloaded name takes no more)."""

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 
 from kernels.paged_attention import pack_aligned
 
@@ -50,6 +52,21 @@ class LoRAMapping:
     @property
     def num_tokens(self) -> int:
         return self.token_slots.shape[0]
+
+
+@triton.jit
+def group_tile(sorted_ids_ptr, group_slots_ptr, group_starts_ptr, BLOCK_M: tl.constexpr):
+    """The tile of one group's rows a LoRA kernel program owns, on grid axes (group,
+    row tile): (slot, token ids, row mask, whether the tile holds any row)."""
+    group = tl.program_id(0)
+    start = tl.load(group_starts_ptr + group)
+    end = tl.load(group_starts_ptr + group + 1)
+    first = start + tl.program_id(1) * BLOCK_M
+    rows = first + tl.arange(0, BLOCK_M)
+    row_ok = rows < end
+    tok = tl.load(sorted_ids_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    slot = tl.load(group_slots_ptr + group).to(tl.int64)
+    return slot, tok, row_ok, first < end
 
 
 def make_lora_mapping(request_slots: list[int], query_start_loc: list[int],

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lora_mapping import LoRAMapping
+from kernels.lora_mapping import LoRAMapping, group_tile
 
 
 def lora_shrink_reference(x: torch.Tensor, a: torch.Tensor,
@@ -47,16 +47,10 @@ def _lora_shrink_kernel(x_ptr, a_ptr, out_ptr, sorted_ids_ptr, group_slots_ptr,
                         BLOCK_I: tl.constexpr, UPCAST: tl.constexpr,
                         DOT_PRECISION: tl.constexpr):
     # grid: (group, row tile within the group, tile of the K outputs)
-    group = tl.program_id(0)
-    start = tl.load(group_starts_ptr + group)
-    end = tl.load(group_starts_ptr + group + 1)
-    first = start + tl.program_id(1) * BLOCK_M
-    if first >= end:
+    slot, tok, row_ok, has_rows = group_tile(sorted_ids_ptr, group_slots_ptr,
+                                             group_starts_ptr, BLOCK_M)
+    if not has_rows:
         return
-    slot = tl.load(group_slots_ptr + group).to(tl.int64)
-    rows = first + tl.arange(0, BLOCK_M)
-    row_ok = rows < end
-    tok = tl.load(sorted_ids_ptr + rows, mask=row_ok, other=0).to(tl.int64)
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
