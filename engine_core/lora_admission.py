@@ -15,8 +15,11 @@ Three rules, each with its reason:
 * At most ``max_loras`` adapters per step. A queued request whose adapter is neither
   running nor fits among them is refused, and no other adapter request is admitted for
   the rest of the step: running adapters then drain and the refused request gets the
-  first free slot (under fcfs and priority the refused head stops admission anyway).
-  Requests of the base model are never held back by LoRA.
+  first free slot. Under fcfs and priority the refused head stops admission anyway;
+  under fair the other tenants would otherwise keep the slot busy for ever (the fair
+  queue keeps the refused tenant's turn, so it is asked first the next step). Requests
+  of the base model are never held back by LoRA (under fcfs and priority they wait
+  behind a refused head, as behind any head that cannot start).
 """
 from __future__ import annotations
 

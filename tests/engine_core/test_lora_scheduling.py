@@ -181,3 +181,42 @@ def test_lora_ids_need_lora_on_and_a_known_adapter():
     assert err.value.param == "lora_id" and "lora.enable_lora" in str(err.value)
     with pytest.raises(UnknownLoRAError):
         make_lora_engine(num_adapters=2).validate_request([1, 2], lora_id=3)
+
+
+def test_the_samples_of_an_n2_request_wait_for_their_adapter_together():
+    engine = make_lora_engine(is_instant=False)
+    engine.add_request("pair", prompt(3), SamplingParams(max_tokens=4, n=2), lora_id=2)
+    outputs = Outputs()
+    outputs.step(engine)
+    assert {r.status for r in engine.scheduler.requests.values()} == {
+        RequestStatus.WAITING_FOR_LORA, RequestStatus.WAITING_FOR_FORK}
+    engine.lora_executor.finish()
+    outputs.finish(engine)
+    assert outputs.tokens("0_pair") == outputs.tokens("1_pair") == reference_output(prompt(3), 4)
+    assert engine.lora.registry.by_id[2].num_requests == 0
+
+
+def test_under_fair_another_tenant_cannot_hold_the_slot_for_ever():
+    # fair: the victim's tenant is refused a slot; without the step's gate closing, the
+    # other tenant's adapter-1 stream would be admitted behind it, step after step
+    engine = make_lora_engine(num_adapters=2, max_loras=1, policy="fair", max_num_seqs=16)
+    for lora_id in (1, 2):  # both adapters loaded
+        engine.add_request(f"warm{lora_id}", prompt(50), SamplingParams(max_tokens=1),
+                           lora_id=lora_id)
+    Outputs().finish(engine)
+
+    def add_as(tenant, req_id, lora_id, i):
+        engine.add_request(req_id, prompt(i), SamplingParams(max_tokens=6), lora_id=lora_id,
+                           tenant=tenant)
+    add_as("t2", "first", 1, 0)
+    engine.step()
+    assert engine.scheduler.requests["first"].status is RequestStatus.RUNNING
+    add_as("t1", "victim", 2, 1)
+    for step in range(60):
+        add_as("t2", f"late{step}", 1, step + 2)
+        engine.step()
+        if engine.scheduler.requests["victim"].status is RequestStatus.RUNNING:
+            break
+    else:
+        raise AssertionError("the other tenant's stream kept the only slot")
+    run_to_completion(engine)
