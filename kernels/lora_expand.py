@@ -83,15 +83,18 @@ def lora_expand_triton(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor,
 
 def lora_expand_cpu(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor,
                     mapping: LoRAMapping) -> None:
-    """Per run of same-slot tokens (slices, no gather): an in-place addmm into a
-    float32 y, else the float32 delta added with one rounding."""
+    """Per run of same-slot tokens (slices, no gather), an addmm into one contiguous
+    float32 delta over the rows the runs span; then one add into y. Adding into y's
+    rows run by run (a strided column slice of the fused output) measured 1.5-9x
+    slower on a busy CPU than this (benchmarks/lora_kernels.py)."""
+    if not mapping.runs:
+        return
+    lo, hi = mapping.runs[0].start, mapping.runs[-1].end  # runs are in token order
+    delta = torch.zeros(hi - lo, y.shape[1], dtype=torch.float32, device=y.device)
     for run in mapping.runs:
-        rows = slice(run.start, run.end)
         b_t = b[run.slot].t().float()  # a view when the slots are float32 (the CPU's)
-        if y.dtype == torch.float32:
-            y[rows].addmm_(xa[rows], b_t)
-        else:
-            y[rows] += xa[rows] @ b_t
+        delta[run.start - lo:run.end - lo].addmm_(xa[run.start:run.end], b_t)
+    y[lo:hi] += delta
 
 
 def lora_expand(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor,
