@@ -105,13 +105,22 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
 def _coerce_item(value: Any, cls: type, key: str, source: str) -> Any:
     """One list item that is a small dataclass (lora.adapters): a YAML mapping of its
     fields, or the ``name=path`` text its ``parse`` reads (from env or --set)."""
-    if isinstance(value, str) and hasattr(cls, "parse"):
-        return cls.parse(value)
     hints = _section_types(cls)
-    if not isinstance(value, dict) or not set(value) <= set(hints):
+    if isinstance(value, str) and hasattr(cls, "parse"):
+        def build():
+            return cls.parse(value)
+    elif isinstance(value, dict) and set(value) <= set(hints):
+        fields = {k: _coerce(v, hints[k], key, source) for k, v in value.items()}
+
+        def build():
+            return cls(**fields)
+    else:
         raise ConfigError(f"{key}: expected a mapping with keys {', '.join(hints)}, got "
                           f"{value!r} (in {source})", key)
-    return cls(**{k: _coerce(v, hints[k], key, source) for k, v in value.items()})
+    try:  # the item's own checks name the key; the source is added here
+        return build()
+    except ConfigError as e:
+        raise ConfigError(f"{e} (in {source})", e.key) from None
 
 
 def _set_path(tree: dict, dotted: str, value: Any, source: str) -> None:
