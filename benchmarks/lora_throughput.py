@@ -109,7 +109,9 @@ def machine() -> dict:
                   if line.startswith("model name")), platform.processor())
     flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo")
                   if line.startswith("flags")), [])
+    # niceness and load: a run beside other jobs (a shared machine) reads slower
     return {"cpu": model, "cores": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
+            "nice": os.nice(0), "torch_threads": torch.get_num_threads(),
             "cpu_flags": sorted(f for f in flags if f.startswith(("avx512", "amx")))}
 
 
@@ -135,8 +137,9 @@ def main(argv=None) -> int:
               f"{r['tok_s']:7.1f} tok/s")
     print(f"mixed / base  = {results['mixed_vs_base']:.2f}  (target >= 0.70)")
     print(f"mixed / naive = {results['mixed_vs_naive']:.2f}  (target >= 2.00)")
-    print(f"{results['dtype']}, {before['cpu']}, {before['cores']} cores, load "
-          f"{before['load_avg_1m']:.2f} before, {results['machine']['load_avg_1m_after']:.2f} after")
+    print(f"{results['dtype']}, {before['cpu']}, {before['cores']} cores, nice {before['nice']}, "
+          f"load {before['load_avg_1m']:.2f} before, "
+          f"{results['machine']['load_avg_1m_after']:.2f} after")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     return 0
