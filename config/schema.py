@@ -3,7 +3,7 @@
 Each field's ``metadata["doc"]`` is its one-line description; the loader uses it for
 error messages and ``folio config`` prints it. Validation lives next to the fields in
 ``__post_init__`` so a bad value is rejected however the tree was built. The serving
-sections (`services`, `api`) live in serving.py.
+sections (`services`, `api`) live in serving.py, `lora` in lora.py.
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 # ConfigError and every section are importable from here: the tree's one front door.
 from config.fields import ConfigError, _check, _f  # noqa: F401
+from config.lora import LoRAConfig
 from config.serving import APIConfig, ServicesConfig
 
 
@@ -188,3 +189,4 @@ class FolioConfig:
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     services: ServicesConfig = field(default_factory=ServicesConfig)
     api: APIConfig = field(default_factory=APIConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)

@@ -19,10 +19,13 @@ class RequestStatus(enum.Enum):
 
     ``WAITING_FOR_FORK`` marks samples 1..n-1 of an n > 1 request: they hold no
     blocks and sit outside the waiting queue until sample 0 has computed the prompt.
+    ``WAITING_FOR_LORA``: parked outside the waiting queue until its LoRA adapter is
+    loaded (engine_core/lora_admission.py).
     """
 
     WAITING = "waiting"
     WAITING_FOR_FORK = "waiting_for_fork"
+    WAITING_FOR_LORA = "waiting_for_lora"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"

@@ -11,11 +11,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 
+from config.lora import LoRAConfig
 from config.schema import CacheConfig, SchedulerConfig
 from engine_core.fair_queue import FairQueue
 from engine_core.fair_step import FairPlanner
 from engine_core.fork_tracker import ForkTracker
 from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.lora_admission import LoRAAdmission
 from engine_core.ordered_step import OrderedPlanner
 from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput, TokenLogprobs
 from engine_core.request import Request, RequestStatus
@@ -37,11 +39,14 @@ class Scheduler:
 
     A planner per policy family decides what each step grants (ordered_step.py for
     fcfs and priority, fair_step.py for fair) through the primitives below:
-    ``grant_running``, ``admit`` and ``preempt``.
+    ``grant_running``, ``admit`` and ``preempt``. With LoRA on, ``lora``
+    (lora_admission.py) parks requests until their adapter is loaded and holds each
+    step to ``max_loras`` adapters.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_blocks: int, block_size: int, max_model_len: int):
+                 num_blocks: int, block_size: int, max_model_len: int,
+                 lora_config: LoRAConfig | None = None):
         self.config = scheduler_config
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -65,6 +70,8 @@ class Scheduler:
         self.limits = RequestLimits(max_model_len, num_blocks, block_size,
                                     scheduler_config.max_num_batched_tokens,
                                     scheduler_config.enable_chunked_prefill)
+        self.lora = (LoRAAdmission(lora_config)
+                     if lora_config is not None and lora_config.enable_lora else None)
         self.num_preemptions = 0
         self._children: dict[str, list[str]] = {}  # parent id -> live sample ids
         self._runner_req_ids: set[str] = set()  # requests the runner holds state for
@@ -87,14 +94,23 @@ class Scheduler:
                                              request.sampling_params.max_tokens)
         if request.sampling_params.max_tokens is None:
             request.sampling_params = request.sampling_params.clone(max_tokens=max_tokens)
+        if request.lora_id:
+            if self.lora is None:
+                raise InvalidRequestError("LoRA adapters are off (lora.enable_lora)",
+                                          "lora_id")
+            self.lora.acquire(request)
         request.arrival_seq = next(self._arrival_seq)
         self.requests[request.req_id] = request
         self.tenant_weights.add(request)
         if request.parent_req_id is not None:
             self._children.setdefault(request.parent_req_id, []).append(request.req_id)
-        if not self.forks.add(request):
+        if not self.forks.add(request) and not self._parks_for_lora(request):
             request.status = RequestStatus.WAITING
             self.waiting.add(request)
+
+    def _parks_for_lora(self, request: Request) -> bool:
+        """Park a request whose adapter is not loaded (lora_admission.py)."""
+        return bool(request.lora_id) and self.lora.park_if_unloaded(request)
 
     def is_known_id(self, req_id: str) -> bool:
         """Whether ``req_id`` names a live request or the parent of live samples."""
@@ -105,6 +121,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan the next step (the policy's planner decides the grants)."""
         plan = StepPlan(token_budget=self.config.max_num_batched_tokens)
+        if self.lora is not None:
+            for request in reversed(self.lora.begin_step(self.running)):
+                self.waiting.add_front(request)
         self.planner.plan_step(plan)
         return self._make_output(plan)
 
@@ -149,6 +168,8 @@ class Scheduler:
     def admit(self, request: Request, plan: StepPlan, budget: int | None = None) -> bool:
         """Start the waiting request the queue offered, granting it at most ``budget``
         tokens (default: the plan's); False, leaving it queued, if it cannot start."""
+        if self.lora is not None and not self.lora.may_admit(request):
+            return False
         budget = plan.token_budget if budget is None else min(budget, plan.token_budget)
         kv = self.kv_cache_manager
         is_lookup = request.num_computed_tokens == 0
@@ -174,6 +195,8 @@ class Scheduler:
         request.num_computed_tokens = num_computed
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        if self.lora is not None:
+            self.lora.on_admit(request)
         plan.schedule_new(request, num_new)
         return True
 
@@ -266,8 +289,10 @@ class Scheduler:
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         promoted = self.forks.remove(request)
-        if promoted is not None:
+        if promoted is not None and not self._parks_for_lora(promoted):
             self.waiting.add_front(promoted)
+        if request.lora_id:  # a parked request leaves the park here
+            self.lora.release(request)
         request.status = status
         request.finish_reason = status.finish_reason
         self.kv_cache_manager.free(request)
@@ -293,14 +318,16 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        """Queued requests plus samples waiting to fork."""
-        return len(self.waiting) + self.forks.num_waiters
+        """Queued requests plus samples waiting to fork or for their adapter."""
+        parked = self.lora.num_parked if self.lora is not None else 0
+        return len(self.waiting) + self.forks.num_waiters + parked
 
     @property
     def num_waiting_tokens(self) -> int:
         """Tokens of the requests in the waiting queue (prompt, plus outputs of
-        preempted ones)."""
-        return self.waiting.num_tokens
+        preempted ones) and of those parked for their adapter."""
+        parked = self.lora.num_parked_tokens if self.lora is not None else 0
+        return self.waiting.num_tokens + parked
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from engine_core.engine import EngineCoreStats
 from engine_core.outputs import EngineCoreOutput
 from engine_core.scheduler_output import SchedulerOutput
+from observability.lora_metrics import LoRAMetrics
 
 PREFIX = "folio:"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -35,9 +36,10 @@ class _RequestClock:
 
 
 class EngineMetrics:
-    """Every engine-side metric; ``render()`` gives the Prometheus text."""
+    """Every engine-side metric; ``render()`` gives the Prometheus text. ``max_loras``
+    (LoRA on) adds vLLM's ``lora_requests_info`` and the adapter counts (lora_metrics.py)."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, max_loras: int | None = None):
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
         self._labels = labels
@@ -83,6 +85,7 @@ class EngineMetrics:
                                         _TOKEN_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens per engine step",
                                           _TOKEN_BUCKETS)
+        self.lora = LoRAMetrics(r, max_loras) if max_loras is not None else None
         self._clocks: dict[str, _RequestClock] = {}
         self._last_queries = 0
         self._last_hits = 0
@@ -112,6 +115,8 @@ class EngineMetrics:
         self.prefix_cache_queries.inc(stats.prefix_cache_queries - self._last_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - self._last_hits)
         self._last_queries, self._last_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        if self.lora is not None and stats.lora is not None:
+            self.lora.update(stats.lora)
 
     def _on_output(self, out: EngineCoreOutput, now: float) -> None:
         clock = self._clocks.get(out.req_id)

@@ -30,7 +30,10 @@ class LoadedModel:
 def bootstrap_model(config: FolioConfig) -> LoadedModel:
     """Load the model of ``config`` and allocate its KV pool (call on the thread that
     will run the model: torch keeps one OpenMP team per calling thread)."""
-    runner = ModelRunner(config.model, config.memory, config.worker, config.scheduler)
+    runner = ModelRunner(config.model, config.memory, config.worker, config.scheduler,
+                         config.lora)
+    if runner.lora is not None:
+        runner.lora.check_declared()  # a bad adapter in the YAML fails start-up
     num_blocks = runner.initialize_kv_cache()
     tokenizer = Tokenizer.from_model_path(config.model.tokenizer
                                           or resolve_model_path(config.model.path))
@@ -47,5 +50,6 @@ def in_process_engine(config: FolioConfig) -> tuple[LoadedModel, EngineCore]:
     """The model and an EngineCore that runs it directly (no sockets): the offline path."""
     loaded = bootstrap_model(config)
     engine = EngineCore.from_model_facts(config.scheduler, config.cache, loaded.facts,
-                                         executor=loaded.runner)
+                                         executor=loaded.runner, lora_config=config.lora,
+                                         lora_executor=loaded.runner.lora)
     return loaded, engine

@@ -36,6 +36,7 @@ class InputBatch:
     sampling_states: list[CachedRequestState]  # the S requests, in logits order
     query_start_loc: list[int]
     seq_lens: list[int]
+    lora_ids: list[int]  # each request's LoRA adapter (0: none), in batch order
 
     @property
     def is_decode_only(self) -> bool:
@@ -68,7 +69,10 @@ def build_input_batch(states: list[CachedRequestState], num_scheduled: list[int]
     ``backend`` None means the torch reference on the CPU.
     """
     backend = backend or AttentionBackend(TORCH, _CPU)
-    order = sorted(range(len(states)), key=lambda i: num_scheduled[i] != 1)
+    # decodes first (the attention plan wants them so); within each part, requests of
+    # one LoRA adapter side by side, so the LoRA kernels see few runs
+    order = sorted(range(len(states)), key=lambda i: (num_scheduled[i] != 1,
+                                                      states[i].lora_id))
     states = [states[i] for i in order]
     counts = [num_scheduled[i] for i in order]
     query_start_loc, seq_lens = [0], []
@@ -102,4 +106,5 @@ def build_input_batch(states: list[CachedRequestState], num_scheduled: list[int]
         input_ids=input_ids, positions=positions,
         attn=AttentionContext(slot_mapping=slot_mapping, plan=plan),
         logits_indices=logits_indices, sampling_states=sampling_states,
-        query_start_loc=query_start_loc, seq_lens=seq_lens)
+        query_start_loc=query_start_loc, seq_lens=seq_lens,
+        lora_ids=[s.lora_id for s in states])

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from config.lora import LoRAConfig
 from config.schema import MemoryConfig, ModelConfig, SchedulerConfig, WorkerConfig
 from engine_core.outputs import ModelRunnerOutput
 from engine_core.scheduler_output import SchedulerOutput
@@ -16,6 +17,8 @@ from worker.device import resolve_device, resolve_dtype
 from worker.input_batch import InputBatch, build_input_batch
 from worker.kv_cache import KVCacheSpec, allocate_kv_cache, copy_blocks
 from worker.loader import load_model
+from worker.lora.lora_manager import LoRAManager
+from worker.lora.lora_step import LoRAStep
 from worker.models.registry import build_model
 from worker.request_state import CachedRequestState, make_generator
 from worker.sampler import Sampler
@@ -40,11 +43,13 @@ class ModelRunner:
     allocates the pool (on CUDA from a profiling step, then captures the decode CUDA
     graphs) and returns its number of blocks; ``execute_model()`` runs steps.
     ``scheduler_config`` gives the largest step (profiling, graph sizes); its defaults
-    are used when it is None.
+    are used when it is None. With ``lora_config.enable_lora``, ``lora`` holds the
+    adapters (worker/lora/lora_manager.py).
     """
 
     def __init__(self, model_config: ModelConfig, memory_config: MemoryConfig,
-                 worker_config: WorkerConfig, scheduler_config: SchedulerConfig | None = None):
+                 worker_config: WorkerConfig, scheduler_config: SchedulerConfig | None = None,
+                 lora_config: LoRAConfig | None = None):
         self.model_config = model_config
         self.worker_config = worker_config
         self.memory_config = memory_config
@@ -75,6 +80,8 @@ class ModelRunner:
         self.attention_backend = self._pick_attention_backend()
         self.cuda_graphs = None  # DecodeCudaGraphs once captured
         self.graph_reserve_bytes = 0  # what the KV budget left for them (profiled)
+        self.lora = (LoRAManager(lora_config, self.arch, self.dtype, self.device)
+                     if lora_config is not None and lora_config.enable_lora else None)
 
     def _pick_attention_backend(self) -> AttentionBackend:
         from kernels import cpu_extension, cpu_paged_attention
@@ -165,18 +172,19 @@ class ModelRunner:
                 num_prompt_tokens=new.num_prompt_tokens, sampling_params=p,
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
                 generator=make_generator(p.seed, new.num_output_tokens, self.arch.vocab_size,
-                                         self.device))
+                                         self.device),
+                lora_id=new.lora_id)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
 
-    def forward(self, batch: InputBatch) -> torch.Tensor:
+    def forward(self, batch: InputBatch, lora: LoRAStep | None = None) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of one built batch: a captured CUDA graph when
-        one fits (decode-only batches), else the eager model."""
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
+        one fits (decode-only batches without adapters), else the eager model."""
+        if lora is None and self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
             return self.cuda_graphs.run(batch)
-        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, lora)
 
     def synchronize(self) -> None:
         """Wait for the device, so a wall-clock split of the step is honest on CUDA."""
@@ -213,9 +221,11 @@ class ModelRunner:
         batch = build_input_batch(states, [so.num_scheduled_tokens[r] for r in req_ids],
                                   self.block_size, self.arch.sliding_window,
                                   self.attention_backend)
+        lora = (self.lora.prepare_step(batch.lora_ids, batch.query_start_loc)
+                if self.lora is not None else None)
         t1 = time.perf_counter()
         timing.prepare_seconds = t1 - t0
-        hidden = self.forward(batch)
+        hidden = self.forward(batch, lora)
         for state, n in zip(states, (so.num_scheduled_tokens[r] for r in req_ids)):
             state.num_computed_tokens += n
         sampling = batch.sampling_states

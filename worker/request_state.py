@@ -23,6 +23,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None
+    lora_id: int = 0  # the LoRA adapter it runs with; 0: the base model
 
     @property
     def output_token_ids(self) -> list[int]:

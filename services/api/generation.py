@@ -24,7 +24,7 @@ from aiohttp import web
 
 from observability.logging import get_logger
 from services.api.engine_client import EngineDead, QueueFull
-from services.api.openai_protocol import bad, unavailable
+from services.api.openai_protocol import APIError, bad, unavailable
 from services.api.request_trace import RequestTrace
 from services.api.request_validation import CheckedRequest, RequestValidator
 from services.api.response_format import (chat_chunk, chat_response, completion_chunk,
@@ -51,6 +51,7 @@ class Generation:
     cache_salt: str | None = None
     tenant: str | None = None  # the API key's tenant id, None without keys
     tenant_weight: float = 1.0
+    lora_name: str | None = None  # the LoRA adapter the request names (model_name too)
     created: int = field(default_factory=lambda: int(time.time()))
     state: RequestState | None = None
 
@@ -63,7 +64,8 @@ class Generation:
         req_id = f"{prefix}-{uuid.uuid4().hex}"
         tracer = shared.pop("tracer")
         trace = RequestTrace(tracer, operation, shared["model_name"], req_id,
-                             request.headers.get("traceparent"), checked.params)
+                             request.headers.get("traceparent"), checked.params,
+                             shared.get("lora_name"))
         return cls(checked=checked, chat=chat, trace=trace, req_id=req_id, **shared)
 
     @property
@@ -83,7 +85,7 @@ class Generation:
                                                           self.checked.max_tokens_param)
                 log.info("request received", operation=self.operation,
                          num_prompt_tokens=len(ids), max_tokens=params.max_tokens,
-                         n=params.n, stream=self.checked.stream)
+                         n=params.n, stream=self.checked.stream, lora_adapter=self.lora_name)
                 self.trace.start_respond(len(ids), self.checked.stream)
                 if self.checked.stream:
                     return await self._stream(request, ids)
@@ -105,7 +107,8 @@ class Generation:
         params = self.checked.params
         queue = await self.engine.add(self.req_id, prompt_token_ids, params,
                                       self.trace.traceparent, cache_salt=self.cache_salt,
-                                      tenant=self.tenant, tenant_weight=self.tenant_weight)
+                                      tenant=self.tenant, tenant_weight=self.tenant_weight,
+                                      lora_name=self.lora_name)
         child_ids = ([self.req_id] if params.n == 1
                      else [f"{i}_{self.req_id}" for i in range(params.n)])
         self.state = state = RequestState(self.tokenizer, self.req_id, None,
@@ -118,6 +121,9 @@ class Generation:
                 if isinstance(item, RequestRejected):
                     if item.code == "queue_full":
                         raise QueueFull(item.message)
+                    if item.code == "model_not_found":
+                        raise APIError(404, item.message, "not_found_error", item.param,
+                                       item.code)
                     raise bad(item.message, item.param)
                 self.trace.on_tokens(len(item.new_token_ids))
                 t0 = time.perf_counter()

@@ -20,7 +20,8 @@ class RequestTrace:
     """Spans of one request in the API process (``span`` is None when not recording)."""
 
     def __init__(self, tracer, operation: str, model: str, req_id: str,
-                 client_traceparent: str | None, params: SamplingParams):
+                 client_traceparent: str | None, params: SamplingParams,
+                 lora_name: str | None = None):
         self.tracer = tracer
         self.span = None
         self._respond = None
@@ -34,6 +35,8 @@ class RequestTrace:
                 f"{operation} {model}", context=context_from_traceparent(client_traceparent),
                 kind=_server_kind(), start_time=self._start_ns,
                 attributes=_request_attributes(operation, model, req_id, params))
+            if lora_name is not None:
+                self.span.set_attribute("folio.lora_adapter", lora_name)
             self.traceparent = traceparent_of(self.span)
         else:
             self.traceparent = (client_traceparent if parse_traceparent(client_traceparent)

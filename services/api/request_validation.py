@@ -237,13 +237,24 @@ def stream_flags(body: dict) -> tuple[bool, bool]:
     return stream, bool(options.get("include_usage", False))
 
 
-def check_model(body: dict, served_name: str) -> None:
-    """404 naming ``model`` unless it is absent or the served model's name."""
+MAX_MODEL_NAME_CHARS = 256
+
+
+def check_model(body: dict, served_name: str, allow_adapters: bool = False) -> str | None:
+    """The LoRA adapter ``model`` names, None for the served model (or none named).
+
+    Without adapters any other name is a 404 here; with them the engine core, the one
+    registry of adapters, answers an unknown name with the same 404."""
     model = body.get("model")
-    if model is None:
-        return
+    if model is None or model == served_name:
+        return None
     if not isinstance(model, str):
         raise bad("'model' must be a string", "model")
-    if model != served_name:
-        raise APIError(404, f"model {model[:100]!r} does not exist", "not_found_error",
-                       "model", "model_not_found")
+    if not allow_adapters or not 0 < len(model) <= MAX_MODEL_NAME_CHARS:
+        raise model_not_found(model)
+    return model
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(404, f"model {model[:100]!r} does not exist", "not_found_error",
+                    "model", "model_not_found")

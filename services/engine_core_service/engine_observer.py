@@ -29,7 +29,9 @@ class EngineObserver:
 
     def __init__(self, config: FolioConfig, model_name: str, tracing: Tracing | None = None):
         obs = config.observability
-        self.metrics = EngineMetrics(model_name) if obs.enable_metrics else None
+        lora = config.lora
+        self.metrics = (EngineMetrics(model_name, lora.max_loras if lora.enable_lora else None)
+                        if obs.enable_metrics else None)
         self.tracer = (EngineTracer(tracing.tracer, obs.trace_step_detail)
                        if tracing is not None and tracing.enabled else None)
         self._ids: dict[str, _RequestIds] = {}  # sample id → ids for log lines
@@ -43,9 +45,11 @@ class EngineObserver:
             if self.metrics is not None:
                 self.metrics.on_add(sample_id, message.arrival_time, num_prompt)
             if self.tracer is not None:
-                self.tracer.on_add(sample_id, message.traceparent, num_prompt)
+                self.tracer.on_add(sample_id, message.traceparent, num_prompt,
+                                   message.lora_name)
         log.info("request added", request_id=message.req_id, trace_id=trace_id,
-                 num_prompt_tokens=num_prompt, n=len(sample_ids))
+                 num_prompt_tokens=num_prompt, n=len(sample_ids),
+                 lora_adapter=message.lora_name)
 
     def begin_step(self, so: SchedulerOutput) -> tuple[str | None, dict[str, str]]:
         """Before the worker runs ``so``: the traceparents ExecuteStep should carry."""

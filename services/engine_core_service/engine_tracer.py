@@ -60,13 +60,16 @@ class EngineTracer:
     def _child_context(self, span):
         return self._trace.set_span_in_context(span)
 
-    def on_add(self, req_id: str, traceparent: str | None, num_prompt_tokens: int) -> None:
+    def on_add(self, req_id: str, traceparent: str | None, num_prompt_tokens: int,
+               lora_name: str | None = None) -> None:
         if not is_sampled(traceparent):
             return
+        attributes = {"folio.request_id": req_id, "gen_ai.usage.input_tokens": num_prompt_tokens}
+        if lora_name is not None:
+            attributes["folio.lora_adapter"] = lora_name
         span = self.tracer.start_span(
             "engine.request", context=context_from_traceparent(traceparent),
-            attributes={"folio.request_id": req_id,
-                        "gen_ai.usage.input_tokens": num_prompt_tokens})
+            attributes=attributes)
         rt = _RequestTrace(span, traceparent_of(span), num_prompt_tokens)
         rt.queue_span = self.tracer.start_span("engine.queue",
                                                context=self._child_context(span))
