@@ -44,6 +44,12 @@ FLAT_ALIASES = {
     "num_threads": "worker.num_threads",
     "enforce_eager": "worker.enforce_eager",
     "attention_backend": "worker.attention_backend",
+    "speculative_method": "speculative.method",
+    "num_speculative_tokens": "speculative.num_speculative_tokens",
+    "prompt_lookup_min": "speculative.prompt_lookup_min",
+    "prompt_lookup_max": "speculative.prompt_lookup_max",
+    "speculative_draft_model": "speculative.draft_model",
+    "speculative_disable_by_batch_size": "speculative.disable_by_batch_size",
 }
 
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from config.fields import ConfigError, _check, _f  # noqa: F401 (ConfigError: re-exported)
+from config.speculative import SpeculativeConfig
+
 # The engine's own hard bounds (SamplingParams enforces them); the API's limits may
 # only be stricter.
 ENGINE_MAX_LOGPROBS = 20
@@ -16,23 +19,6 @@ ENGINE_MAX_STOP_STRINGS = 16
 # No vocabulary Folio serves is larger; the engine core also caps stop_token_ids at the
 # model's own vocabulary size.
 ENGINE_MAX_STOP_TOKEN_IDS = 262_144
-
-
-def _f(default, doc: str, **kw):
-    return field(default=default, metadata={"doc": doc, **kw})
-
-
-class ConfigError(ValueError):
-    """A config key or value is wrong; the message names the key (and the file)."""
-
-    def __init__(self, message: str, key: str | None = None):
-        super().__init__(message)
-        self.key = key
-
-
-def _check(cond: bool, key: str, message: str) -> None:
-    if not cond:
-        raise ConfigError(f"{key}: {message}", key)
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -322,3 +308,4 @@ class FolioConfig:
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     services: ServicesConfig = field(default_factory=ServicesConfig)
     api: APIConfig = field(default_factory=APIConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

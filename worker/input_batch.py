@@ -32,7 +32,9 @@ class InputBatch:
     input_ids: torch.Tensor  # [T] on the model's device
     positions: torch.Tensor  # [T] on the model's device
     attn: AttentionContext
-    logits_indices: torch.Tensor  # [S] last token of each request that samples
+    # [S + drafts]: the last token of each request that samples, and with k drafts the
+    # k+1 rows of its last token and its drafts (speculative decoding), request by request
+    logits_indices: torch.Tensor
     sampling_states: list[CachedRequestState]  # the S requests, in logits order
     query_start_loc: list[int]
     seq_lens: list[int]
@@ -56,7 +58,7 @@ def _token_arrays(states, counts, query_start_loc, block_size):
     slot_mapping = (block_tables[req_index, positions // block_size] * block_size
                     + positions % block_size)
     input_ids = [t for s, n in zip(states, counts)
-                 for t in s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n]]
+                 for t in s.input_token_ids(s.num_computed_tokens, n)]
     return input_ids, positions, slot_mapping, block_tables
 
 
@@ -77,8 +79,9 @@ def build_input_batch(states: list[CachedRequestState], num_scheduled: list[int]
         start = state.num_computed_tokens
         query_start_loc.append(query_start_loc[-1] + n)
         seq_lens.append(start + n)
-        if start + n == len(state.token_ids):
-            logits_indices.append(query_start_loc[-1] - 1)
+        if start + n == state.num_tokens_with_spec:
+            end = query_start_loc[-1]
+            logits_indices.extend(range(end - 1 - len(state.spec_token_ids), end))
             sampling_states.append(state)
     input_ids, positions, slot_mapping, block_tables = _token_arrays(
         states, counts, query_start_loc, block_size)

@@ -6,6 +6,8 @@ row from its own generator, so its tokens do not depend on what else is in the b
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine_core.outputs import TokenLogprobs
@@ -70,14 +72,20 @@ def _exponential_noise(shape, md: SamplingMetadata) -> torch.Tensor:
     return noise
 
 
-def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, md: SamplingMetadata):
+def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor,
+                   num_logprobs: list[int | None]) -> list[TokenLogprobs | None]:
+    """Row i's log-probabilities of ``tokens[i]`` under the raw logits, with its
+    ``num_logprobs[i]`` most likely tokens (None: the row asked for none)."""
+    if all(k is None for k in num_logprobs):
+        return [None] * len(num_logprobs)
+    wanted = [k for k in num_logprobs if k]
+    max_num = max(wanted) if wanted else 0
     logprobs = raw.log_softmax(-1)
-    top_vals, top_ids = logprobs.topk(md.max_num_logprobs, dim=-1) if md.max_num_logprobs \
-        else (None, None)
+    top_vals, top_ids = logprobs.topk(max_num, dim=-1) if max_num else (None, None)
     sampled = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
     ranks = (logprobs > sampled[:, None]).sum(-1) + 1
     result: list[TokenLogprobs | None] = []
-    for i, k in enumerate(md.num_logprobs):
+    for i, k in enumerate(num_logprobs):
         if k is None:
             result.append(None)
             continue
@@ -88,25 +96,47 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, md: SamplingMetadata):
     return result
 
 
+@dataclass(slots=True)
+class TargetDistribution:
+    """What each row samples from: ``greedy`` (the argmax after min_tokens bans and
+    penalties) and, unless every row is greedy, ``probs`` after temperature and
+    top-k/top-p/min-p; rows with temperature 0 (``is_random`` False) take ``greedy``."""
+
+    greedy: torch.Tensor  # [B] int64
+    probs: torch.Tensor | None  # [B, vocab] float32
+    is_random: torch.Tensor  # [B] bool
+
+
+def target_distribution(logits: torch.Tensor, md: SamplingMetadata) -> TargetDistribution:
+    """Every row's processed distribution (the sampler's, and the rejection sampler's
+    target p)."""
+    raw = logits
+    for row, banned in md.min_tokens_stop_ids.items():
+        logits = logits.clone() if logits is raw else logits
+        logits[row, banned] = float("-inf")
+    logits = apply_penalties(logits, md)
+    greedy = logits.argmax(-1)
+    if md.all_greedy:
+        return TargetDistribution(greedy, None, md.temperature > 0)
+    temp = torch.where(md.temperature > 0, md.temperature, 1.0)
+    scaled = apply_top_k_top_p_min_p(logits / temp[:, None], md)
+    return TargetDistribution(greedy, scaled.softmax(-1), md.temperature > 0)
+
+
+def draw(dist: TargetDistribution, noise: torch.Tensor | None) -> torch.Tensor:
+    """One token per row: ``argmax(probs / noise)`` (``noise`` i.i.d. Exp(1)) for random
+    rows, the argmax for greedy ones."""
+    if dist.probs is None:
+        return dist.greedy
+    return torch.where(dist.is_random, (dist.probs / noise).argmax(-1), dist.greedy)
+
+
 class Sampler:
     """Turns a step's float32 logits ``[B, vocab]`` into one token per row."""
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata
                  ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
-        raw = logits
-        for row, banned in md.min_tokens_stop_ids.items():
-            logits = logits.clone() if logits is raw else logits
-            logits[row, banned] = float("-inf")
-        logits = apply_penalties(logits, md)
-        greedy = logits.argmax(-1)
-        if md.all_greedy:
-            tokens = greedy
-        else:
-            temp = torch.where(md.temperature > 0, md.temperature, 1.0)
-            scaled = apply_top_k_top_p_min_p(logits / temp[:, None], md)
-            probs = scaled.softmax(-1)
-            drawn = (probs / _exponential_noise(probs.shape, md)).argmax(-1)
-            tokens = torch.where(md.temperature > 0, drawn, greedy)
-        logprobs = _logprobs(raw, tokens, md) if md.max_num_logprobs is not None or any(
-            k is not None for k in md.num_logprobs) else [None] * len(md.num_logprobs)
-        return tokens, logprobs
+        dist = target_distribution(logits, md)
+        noise = None if dist.probs is None else _exponential_noise(dist.probs.shape, md)
+        tokens = draw(dist, noise)
+        return tokens, token_logprobs(logits, tokens, md.num_logprobs)

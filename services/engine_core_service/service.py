@@ -89,7 +89,8 @@ class EngineCoreService:
         if not isinstance(ready, WorkerReady):
             raise WorkerFailure(f"worker's first frame was {type(ready).__name__}")
         self.engine = EngineCore.from_model_facts(self.config.scheduler, self.config.cache,
-                                                  ready.facts, executor=None)
+                                                  ready.facts, executor=None,
+                                                  speculative_config=self.config.speculative)
         self.clients = APIClients(self.engine)
         self._reader = asyncio.get_running_loop().create_task(self._read_worker(messages))
         self.ready = ready
