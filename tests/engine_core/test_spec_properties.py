@@ -85,18 +85,7 @@ def test_random_accept_lengths_keep_invariants_and_finish(cfg, burst, script, me
                                                           adaptive, p_wrong, seed):
     harness = SpecHarness(cfg, method, NoisyOracle(seed, p_wrong),
                           num_speculative_tokens=k, enable_adaptive=adaptive)
-    for op in burst:
-        harness.add(*op[1:])
-    for op in script:
-        if op[0] == "add":
-            harness.add(*op[1:])
-        elif op[0] == "abort":
-            harness.abort(op[1])
-        else:
-            for _ in range(op[1]):
-                harness.step()
-    harness.drain()
-    harness.check_final()
+    harness.play(burst, script)
     stats = harness.engine.get_stats().spec_decode
     assert stats.num_accepted_tokens <= stats.num_draft_tokens
     if p_wrong == 1.0:
