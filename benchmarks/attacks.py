@@ -83,17 +83,23 @@ async def one_slow_client(url: str, hold_s: float, body_bytes: int = 100_000,
         writer.close()
 
 
-async def bombs(url: str, headers: dict, stop: asyncio.Event, concurrency: int = 4) -> int:
-    rng = random.Random(0)
+async def _repeat(concurrency: int, stop: asyncio.Event, one) -> int:
+    """Run ``one(session)`` back to back in ``concurrency`` loops until ``stop``; how
+    many ran."""
     sent = 0
     async with aiohttp.ClientSession() as session:
         async def loop():
             nonlocal sent
             while not stop.is_set():
-                await one_bomb(session, url, headers, rng)
+                await one(session)
                 sent += 1
         await asyncio.gather(*(loop() for _ in range(concurrency)))
     return sent
+
+
+async def bombs(url: str, headers: dict, stop: asyncio.Event, concurrency: int = 4) -> int:
+    rng = random.Random(0)
+    return await _repeat(concurrency, stop, lambda s: one_bomb(s, url, headers, rng))
 
 
 async def slowloris(url: str, stop: asyncio.Event, connections: int = 300,
@@ -158,15 +164,8 @@ async def health_flood(url: str, stop: asyncio.Event, connections: int = 32,
 
 async def stop_ids(url: str, headers: dict, stop: asyncio.Event, vocab_size: int,
                    concurrency: int = 4) -> int:
-    sent = 0
-    async with aiohttp.ClientSession() as session:
-        async def loop():
-            nonlocal sent
-            while not stop.is_set():
-                await one_oversized(session, url, headers, vocab_size)
-                sent += 1
-        await asyncio.gather(*(loop() for _ in range(concurrency)))
-    return sent
+    return await _repeat(concurrency, stop,
+                         lambda s: one_oversized(s, url, headers, vocab_size))
 
 
 async def heavy_tenant(url: str, headers: dict, prompt_ids: list[int], num_requests: int,

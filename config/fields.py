@@ -1,14 +1,11 @@
-"""What every config section is built from: documented fields and checked values.
-
-Each field's ``metadata["doc"]`` is its one-line description; the loader uses it for
-error messages and ``folio config`` prints it.
-"""
+"""What every config section is made of: documented fields and checked values."""
 from __future__ import annotations
 
 from dataclasses import field
 
 
 def _f(default, doc: str, **kw):
+    """A field with its one-line doc (``folio config`` prints it) and extra metadata."""
     return field(default=default, metadata={"doc": doc, **kw})
 
 

@@ -6,9 +6,9 @@ import math
 from collections.abc import Collection
 from dataclasses import dataclass, field, fields
 
-from config.schema import ENGINE_MAX_LOGPROBS as MAX_LOGPROBS
-from config.schema import ENGINE_MAX_STOP_STRINGS as MAX_STOP_STRINGS
-from config.schema import ENGINE_MAX_STOP_TOKEN_IDS as MAX_STOP_TOKEN_IDS
+from config.request_bounds import ENGINE_MAX_LOGPROBS as MAX_LOGPROBS
+from config.request_bounds import ENGINE_MAX_STOP_STRINGS as MAX_STOP_STRINGS
+from config.request_bounds import ENGINE_MAX_STOP_TOKEN_IDS as MAX_STOP_TOKEN_IDS
 
 
 class InvalidRequestError(ValueError):

@@ -42,6 +42,7 @@ class _Kind:
     message: str = ""
     fields: dict = field(default_factory=dict)
     num_pending: int = 0  # events not yet in a log line
+    quiet_below: int = 0  # fewer events than this in an interval: a debug line
     next_at: float = 0.0  # monotonic time before which no line is written
     handle: asyncio.TimerHandle | None = None
 
@@ -59,9 +60,12 @@ class RateLimitedLog:
         self._logger, self.interval_s = logger, interval_s
         self._kinds: dict[str, _Kind] = {}
 
-    def event(self, kind: str, message: str, **fields) -> None:
+    def event(self, kind: str, message: str, quiet_below: int = 0, **fields) -> None:
+        """Count one event; an interval with fewer than ``quiet_below`` events of its
+        kind is logged at debug level instead (routine events that only a flood of
+        them makes worth a warning)."""
         state = self._kinds.setdefault(kind, _Kind())
-        state.message, state.fields = message, fields
+        state.message, state.fields, state.quiet_below = message, fields, quiet_below
         state.num_pending += 1
         now = time.monotonic()
         if now >= state.next_at:
@@ -79,7 +83,8 @@ class RateLimitedLog:
             state.handle.cancel()
             state.handle = None
         if state.num_pending:
-            self._logger.warning(state.message, kind=kind, num_events=state.num_pending,
-                                 **state.fields)
+            emit = (self._logger.debug if state.num_pending < state.quiet_below
+                    else self._logger.warning)
+            emit(state.message, kind=kind, num_events=state.num_pending, **state.fields)
             state.num_pending = 0
             state.next_at = time.monotonic() + self.interval_s

@@ -32,6 +32,8 @@ REFUSAL_LINGER_S = 1.0  # how long a refused connection may still deliver its re
 MAX_LINGERING_REFUSALS = 64  # past these, a refusal closes at once (fds are scarce)
 FD_HEADROOM = 64  # descriptors kept for sockets to the engine core, logs, the listener
 log = get_logger(__name__)
+# idle closes in one log interval that make a warning (an idle-connection flood)
+IDLE_FLOOD_EVENTS = 100
 
 
 def error_bytes(err: APIError) -> bytes:
@@ -96,8 +98,10 @@ class ConnectionGuard:
     def closed(self, reason: str) -> None:
         """Count and log (rate-limited) one connection this process ended."""
         self.num_closed[reason] += 1
-        self._log.event(reason, "connection closed by the server", reason=reason,
-                        num_open=self.num_open)
+        # a keep-alive connection going idle is routine; only a flood of them warns
+        self._log.event(reason, "connection closed by the server",
+                        quiet_below=IDLE_FLOOD_EVENTS if reason == "idle" else 0,
+                        reason=reason, num_open=self.num_open)
 
     def refusal(self) -> asyncio.Protocol:
         """The protocol of a connection over the limit: it answers 503 and closes."""

@@ -47,4 +47,4 @@ class FairHarness(Harness):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=fair_configs(), burst=st.lists(fair_add, max_size=8), script=fair_ops)
 def test_fair_random_workloads_keep_invariants_and_finish(cfg, burst, script):
-    FairHarness(cfg).play(burst, script)
+    FairHarness(cfg).run(burst, script)

@@ -85,7 +85,7 @@ def test_random_accept_lengths_keep_invariants_and_finish(cfg, burst, script, me
                                                           adaptive, p_wrong, seed):
     harness = SpecHarness(cfg, method, NoisyOracle(seed, p_wrong),
                           num_speculative_tokens=k, enable_adaptive=adaptive)
-    harness.play(burst, script)
+    harness.run(burst, script)
     stats = harness.engine.get_stats().spec_decode
     assert stats.num_accepted_tokens <= stats.num_draft_tokens
     if p_wrong == 1.0:

@@ -379,3 +379,17 @@ def test_closes_are_logged_one_line_per_reason_per_interval():
 def test_bad_connection_limits_are_config_errors(field, value):
     with pytest.raises(ConfigError, match=f"api.{field}"):
         APIConfig(**{field: value})
+
+
+def test_routine_idle_closes_are_debug_lines_and_an_idle_flood_warns():
+    async def main():
+        guard = ConnectionGuard(APIConfig(), log_interval_s=0.3)
+        with capture_logs() as logs:
+            guard.closed("idle")
+            await asyncio.sleep(0.4)
+            for _ in range(150):
+                guard.closed("idle")
+            await asyncio.sleep(0.4)
+        levels = [(e["log_level"], e["num_events"]) for e in logs]
+        assert levels == [("debug", 1), ("debug", 1), ("warning", 149)]
+    asyncio.run(main())
