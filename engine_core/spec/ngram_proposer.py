@@ -8,10 +8,11 @@ its latest earlier occurrence that has k tokens after it (else its latest)::
                   ^^^^^             ~~~~~ suffix "a b c" (n = 3)
     earlier "a b c" end at 2 and 9; the later one wins: propose "d z q" (k = 3)
 
-The batch is one flat array. Pass j (j = 0 .. max_n-1) keeps the positions whose run
-of matches, read backwards, still equals the suffix j tokens back; a position's run
-length is the number of passes it survived. One numpy pass per n-gram length, none
-per token; a per-request max of one score then picks the match.
+The batch is one flat array. Pass 0 finds, in one numpy pass over all of it, the
+positions holding a copy of their request's last token: where an earlier n-gram can
+end. Pass j (j = 1 .. max_n-1) keeps those candidates whose token j places back still
+equals the suffix's; a candidate's run length is the number of passes it survived.
+No pass loops over tokens in Python; a per-request max of one score picks the match.
 """
 from __future__ import annotations
 
@@ -79,31 +80,28 @@ class NgramProposer:
     def _match_ends(self, flat: np.ndarray, starts: np.ndarray, ends: np.ndarray,
                     lens: np.ndarray, k: np.ndarray) -> np.ndarray:
         """Per request, where (relative to its start) the chosen earlier n-gram ends."""
-        num_tokens = len(flat)
-        seg = np.repeat(np.arange(len(lens)), lens)
-        rel = np.arange(num_tokens) - starts[seg]
-        # back[r, j]: request r's token j places before its end (-1 before its start)
-        back_pos = ends[:, None] - 1 - np.arange(self.max_n)[None, :]
-        back = np.where(back_pos >= starts[:, None], flat[np.maximum(back_pos, 0)], -1)
-        # A match must end before the last token, so that a token follows it.
-        alive = rel < lens[seg] - 1
-        run = np.zeros(num_tokens, dtype=np.int64)
-        shifted = np.full(num_tokens, -2, dtype=flat.dtype)
-        for j in range(self.max_n):
-            if j == 0:
-                shifted[:] = flat
-            else:
-                shifted[j:] = flat[:-j]
-                shifted[:j] = -2
-            alive &= (rel >= j) & (shifted == back[seg, j])
+        # Pass 0 over the whole batch: a match ends on a copy of the request's last
+        # token, before that token itself (so that a token follows it).
+        is_end = flat == np.repeat(flat[ends - 1], lens)
+        is_end[ends - 1] = False
+        cand = np.flatnonzero(is_end)  # few: the later passes only look at these
+        seg = np.searchsorted(ends, cand, side="right")
+        rel = cand - starts[seg]
+        run = np.ones(len(cand), dtype=np.int64)
+        alive = np.ones(len(cand), dtype=bool)
+        for j in range(1, self.max_n):
+            back = ends[seg] - 1 - j  # the suffix's token j places before its end
+            alive &= (rel >= j) & (back >= starts[seg])
+            alive &= flat[np.maximum(cand - j, 0)] == flat[np.maximum(back, 0)]
             if not alive.any():
                 break
             run += alive
         # Longest run first, then as many followers as wanted (up to k), then the
         # latest: one integer orders all three (rel < T + 1, followers <= k <= K).
-        span = num_tokens + 1
+        span = len(flat) + 1
         followers = np.minimum(lens[seg] - 1 - rel, k[seg])
         score = np.where(run >= self.min_n,
                          (run * (int(k.max()) + 1) + followers) * span + rel, -1)
-        best = np.maximum.reduceat(score, starts)
+        best = np.full(len(lens), -1, dtype=np.int64)
+        np.maximum.at(best, seg, score)
         return np.where(best >= 0, best % span, -1)

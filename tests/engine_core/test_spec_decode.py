@@ -1,5 +1,7 @@
 """Speculative decoding in the engine core: n-gram drafts, adaptive k, the scheduler's
 grants and the bookkeeping of verification (num_computed_tokens, KV blocks, stops)."""
+import random
+
 import pytest
 
 from config.speculative import SpeculativeConfig
@@ -54,6 +56,30 @@ def test_ngram_batch_mixes_lengths_misses_and_limits():
     # one 9 follows; r4: "1 2 3" ends at 5 (3 follow) and at 2 (6 follow): 2 fills k
     assert got == [[3, 1, 2], [], [9], [], [1, 2, 3, 1, 2]]
     assert propose([[1, 2, 1, 2]], [1], min_n=3) == [[]]
+
+
+def brute_force_ngram(tokens, k, min_n, max_n):
+    """The rule, one request at a time: the longest n-gram ending the tokens that occurs
+    earlier; among its earlier ends, the one with most followers (up to k), then the
+    latest."""
+    last = len(tokens) - 1
+    for n in range(max_n, min_n - 1, -1):
+        ends = [e for e in range(n - 1, last) if tokens[e - n + 1:e + 1] == tokens[-n:]]
+        if n <= len(tokens) - 1 and ends:
+            best = max(ends, key=lambda e: (min(last - e, k), e))
+            return tokens[best + 1:best + 1 + k]
+    return []
+
+
+def test_ngram_batch_matches_the_rule_request_by_request():
+    rng = random.Random(4)
+    for trial in range(200):
+        batch = [[rng.randrange(4) for _ in range(rng.randint(1, 40))]
+                 for _ in range(rng.randint(1, 6))]
+        ks = [rng.randint(1, 6) for _ in batch]
+        min_n, max_n = rng.randint(1, 3), rng.randint(3, 5)
+        want = [brute_force_ngram(t, k, min_n, max_n) for t, k in zip(batch, ks)]
+        assert propose(batch, ks, min_n, max_n) == want, (batch, ks, min_n, max_n)
 
 
 def test_ngram_mirror_follows_appended_tokens():
