@@ -18,14 +18,15 @@ class SpeculativeConfig:
     sampling.
     """
 
-    method: str = _f("none", "none | ngram (prompt lookup: propose what followed the "
-                     "latest earlier occurrence of the request's last n-gram) | "
-                     "draft_model (a smaller model with the same tokenizer proposes)")
+    method: str = _f("none", "none | ngram (prompt lookup: propose what followed an "
+                     "earlier occurrence of the request's last n-gram) | draft_model (a "
+                     "smaller model with the same tokenizer proposes)")
     num_speculative_tokens: int = _f(5, "most draft tokens one request verifies per step "
                                      "(k); each counts against the step's token budget")
     prompt_lookup_min: int = _f(2, "ngram: the shortest n-gram that may match")
     prompt_lookup_max: int = _f(5, "ngram: the longest n-gram tried (the longest match "
-                                "wins, then the latest)")
+                                "wins; among its occurrences, one with k tokens after "
+                                "it, then the latest)")
     draft_model: str | None = _f(None, "draft_model: GGUF file or checkpoint folder of the "
                                  "draft, like model.path; its tokenizer must be the "
                                  "model's (checked at start-up)")
