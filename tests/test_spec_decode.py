@@ -97,8 +97,11 @@ def test_greedy_identity_in_a_batch_with_chunked_prefill_and_preemption(
     llm = make_tiny_llm(num_blocks=16, max_model_len=160, max_num_batched_tokens=24,
                         speculative_method=method, speculative_draft_model=self_draft,
                         prompt_lookup_min=1)
-    batch = tokens(llm.generate(filler[:5] + prompts + filler[5:], GREEDY, use_tqdm=False))
-    assert batch[5:5 + len(prompts)] == reference
+    pair = SamplingParams(n=2, temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate(filler[:5] + prompts + filler[5:] + [prompts[1]],
+                        [GREEDY] * (len(filler) + len(prompts)) + [pair], use_tqdm=False)
+    assert tokens(outs[5:5 + len(prompts)]) == reference
+    assert [c.token_ids for c in outs[-1].outputs] == [reference[1]] * 2  # n = 2 forks
     assert llm.engine.num_preemptions > 0
     kv = llm.engine.scheduler.kv_cache_manager
     assert kv.num_free_blocks == kv.block_pool.num_blocks - 1

@@ -6,19 +6,28 @@ row from its own generator, so its tokens do not depend on what else is in the b
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine_core.outputs import TokenLogprobs
 from worker.sampling_metadata import SamplingMetadata
 
 
-def _token_counts(rows: list[list[int]], vocab_size: int) -> torch.Tensor:
-    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32)
-    for i, ids in enumerate(rows):
-        if ids:
-            counts[i].index_add_(0, torch.tensor(ids), torch.ones(len(ids)))
+def _token_counts(rows: list[list[int]], vocab_size: int,
+                  device: torch.device) -> torch.Tensor:
+    """``[len(rows), vocab]`` float32 occurrence counts, built with one scatter on
+    ``device`` (counts are small integers: exact in any summation order)."""
+    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
+    lengths = [len(ids) for ids in rows]
+    total = sum(lengths)
+    if total:
+        row_of = np.repeat(np.arange(len(rows), dtype=np.int64), lengths)
+        ids = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=total)
+        flat = torch.from_numpy(row_of * vocab_size + ids).to(device)
+        counts.view(-1).index_add_(0, flat, torch.ones(total, device=device))
     return counts
 
 
@@ -26,10 +35,10 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """vLLM's semantics: repetition over prompt + output, presence/frequency over output."""
     if md.output_token_ids is None:
         return logits
-    vocab = logits.shape[-1]
-    out_counts = _token_counts(md.output_token_ids, vocab)
+    vocab, device = logits.shape[-1], logits.device
+    out_counts = _token_counts(md.output_token_ids, vocab, device)
     if md.repetition_penalty is not None:
-        seen = (out_counts + _token_counts(md.prompt_token_ids, vocab)) > 0
+        seen = (out_counts + _token_counts(md.prompt_token_ids, vocab, device)) > 0
         rep = md.repetition_penalty[:, None].expand_as(logits)
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalised, logits)
@@ -52,7 +61,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if md.top_k is not None:
         k = torch.where(md.top_k > 0, md.top_k, logits.shape[-1])
-        drop |= torch.arange(logits.shape[-1])[None, :] >= k[:, None]
+        drop |= torch.arange(logits.shape[-1], device=logits.device)[None, :] >= k[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     if md.top_p is not None:
         probs = sorted_logits.softmax(-1)
@@ -63,8 +72,8 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
-def _exponential_noise(shape, md: SamplingMetadata) -> torch.Tensor:
-    noise = torch.empty(shape, dtype=torch.float32)
+def _exponential_noise(shape, md: SamplingMetadata, device: torch.device) -> torch.Tensor:
+    noise = torch.empty(shape, dtype=torch.float32, device=device)
     if len(md.generators) < shape[0]:
         noise.exponential_()
     for row, gen in md.generators.items():
@@ -74,25 +83,34 @@ def _exponential_noise(shape, md: SamplingMetadata) -> torch.Tensor:
 
 def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor,
                    num_logprobs: list[int | None]) -> list[TokenLogprobs | None]:
-    """Row i's log-probabilities of ``tokens[i]`` under the raw logits, with its
-    ``num_logprobs[i]`` most likely tokens (None: the row asked for none)."""
-    if all(k is None for k in num_logprobs):
+    """Row i's logprob of ``tokens[i]`` under the raw logits, with its rank and its
+    ``num_logprobs[i]`` most likely tokens (None: the row asked for none), computed on
+    the logits' device and brought to the host in one copy::
+
+        packed[r] = [token id, its logprob, its rank, top ids (max k), top logprobs]
+
+    (ids and ranks are exact in float32: vocabularies stay below 2^24)."""
+    rows = [i for i, k in enumerate(num_logprobs) if k is not None]
+    if not rows:
         return [None] * len(num_logprobs)
-    wanted = [k for k in num_logprobs if k]
-    max_num = max(wanted) if wanted else 0
-    logprobs = raw.log_softmax(-1)
-    top_vals, top_ids = logprobs.topk(max_num, dim=-1) if max_num else (None, None)
-    sampled = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-    ranks = (logprobs > sampled[:, None]).sum(-1) + 1
-    result: list[TokenLogprobs | None] = []
-    for i, k in enumerate(num_logprobs):
-        if k is None:
-            result.append(None)
-            continue
-        result.append(TokenLogprobs(
-            token_id=int(tokens[i]), logprob=float(sampled[i]), rank=int(ranks[i]),
-            top_token_ids=top_ids[i, :k].tolist() if k else [],
-            top_logprobs=top_vals[i, :k].tolist() if k else []))
+    index = torch.tensor(rows, dtype=torch.int64, device=raw.device)
+    logprobs = raw.index_select(0, index).log_softmax(-1)
+    chosen = tokens.index_select(0, index)
+    sampled = logprobs.gather(-1, chosen[:, None])
+    ranks = (logprobs > sampled).sum(-1, keepdim=True) + 1
+    parts = [chosen[:, None].float(), sampled, ranks.float()]
+    top = max((num_logprobs[i] for i in rows), default=0)
+    if top:
+        top_vals, top_ids = logprobs.topk(top, dim=-1)
+        parts += [top_ids.float(), top_vals]
+    packed = torch.cat(parts, dim=1).cpu()
+    result: list[TokenLogprobs | None] = [None] * len(num_logprobs)
+    for r, i in enumerate(rows):
+        k, row = num_logprobs[i], packed[r]
+        result[i] = TokenLogprobs(
+            token_id=int(row[0]), logprob=float(row[1]), rank=int(row[2]),
+            top_token_ids=[int(t) for t in row[3:3 + k].tolist()],
+            top_logprobs=row[3 + top:3 + top + k].tolist())
     return result
 
 
@@ -109,7 +127,7 @@ class TargetDistribution:
 
 def target_distribution(logits: torch.Tensor, md: SamplingMetadata) -> TargetDistribution:
     """Every row's processed distribution (the sampler's, and the rejection sampler's
-    target p)."""
+    target p), on the logits' device."""
     raw = logits
     for row, banned in md.min_tokens_stop_ids.items():
         logits = logits.clone() if logits is raw else logits
@@ -132,11 +150,13 @@ def draw(dist: TargetDistribution, noise: torch.Tensor | None) -> torch.Tensor:
 
 
 class Sampler:
-    """Turns a step's float32 logits ``[B, vocab]`` into one token per row."""
+    """Turns a step's float32 logits ``[B, vocab]`` into one token per row, on the
+    logits' device (the metadata's tensors and generators must live there too)."""
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata
                  ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
         dist = target_distribution(logits, md)
-        noise = None if dist.probs is None else _exponential_noise(dist.probs.shape, md)
+        noise = None if dist.probs is None else _exponential_noise(
+            dist.probs.shape, md, dist.probs.device)
         tokens = draw(dist, noise)
         return tokens, token_logprobs(logits, tokens, md.num_logprobs)

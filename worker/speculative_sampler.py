@@ -9,6 +9,10 @@ noise row per output position from its own generator, in order, as the plain sam
 does; rows drawn for positions its drafts did not reach wait in ``noise_rows`` for the
 next step. So its generator's stream, and a preempted request's replay of it
 (request_state.make_generator), stay one row per output token.
+
+It runs on the host (k+1 rows of logits per request come over from a GPU): the
+rejection sampler's ragged bookkeeping is host work. A seeded request's rows are still
+drawn by its generator on its own device, as the plain sampler draws them.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ class SpeculativeSampler:
                  ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
         """Emitted tokens (and their logprobs) per state, appended to its token ids;
         its drafts are cleared. ``draft_probs``: the draft model's q per row."""
+        logits = logits.cpu()
         drafts = [s.spec_token_ids for s in states]
         md = self._metadata(states)
         dist = target_distribution(logits, md)
@@ -67,8 +72,10 @@ class SpeculativeSampler:
                 saved = s.noise_rows[:n]
                 for i, kept in enumerate(saved):
                     noise[row + i] = kept
-                for i in range(len(saved), n):
-                    noise[row + i].exponential_(generator=s.generator)
+                for i in range(len(saved), n):  # the generator's next row, on its device
+                    noise[row + i] = torch.empty(
+                        vocab_size, dtype=torch.float32, device=s.generator.device,
+                    ).exponential_(generator=s.generator).cpu()
                 s.noise_rows = s.noise_rows[len(saved):]
             row += n
         return noise
