@@ -2,15 +2,16 @@
 
   copy     single stream, copy-heavy chat prompts (300-800 tokens, answers repeat
            spans of them): n-gram vs off, output tok/s, outputs identical (>= 1.8x)
-  chat     single stream, free-form chat: n-gram with adaptive k on, and off, vs
-           speculation off (adaptive on: at most 5% slower)
+  chat     single stream, free-form chat: n-gram with adaptive k on, and with it off,
+           vs speculation off (adaptive on: at most 5% slower)
   batch    N concurrent free-form chat requests: n-gram (adaptive) vs off (<= 5% slower)
   draft    draft_model with the model as its own draft, copy prompts: acceptance, and
            what a step costs against a step without drafts
 
-Each mode runs in a fresh LLM after a warm-up request; prompts run one after another
-(single stream) or all at once (batch). Results (with the CPU model and the machine's
-load average) go to --json.
+The modes of a section are loaded side by side and take turns prompt by prompt (the
+order rotating), so a noisy neighbour on a shared machine slows every mode alike;
+each mode is warmed up first. Results, with the CPU model and the load average before
+and after, go to --json.
 
     .venv/bin/python benchmarks/spec_decode.py --json benchmarks/results/spec_decode.json
     .venv/bin/python benchmarks/spec_decode.py --quick      # a smoke run
@@ -31,49 +32,42 @@ sys.path.insert(0, str(REPO))
 
 from folio.bench.spec_prompts import chat_messages, copy_messages  # noqa: E402
 
-OFF = {"speculative.method": "none"}
 
+class Mode:
+    """One engine configuration, timed over the prompts it is given."""
 
-def ngram(args, adaptive=True) -> dict:
-    return {"speculative.method": "ngram", "speculative.num_speculative_tokens": args.k,
-            "speculative.enable_adaptive": adaptive}
+    def __init__(self, args, label: str, spec: dict):
+        from folio import LLM, SamplingParams
+        self.label = label
+        self.llm = LLM(model=args.model, dtype=args.dtype, max_model_len=2048,
+                       num_blocks=args.num_blocks, **spec,
+                       **{"observability.log_level": "warning"})
+        self.llm.chat(chat_messages()[0], SamplingParams(temperature=0.0, max_tokens=8),
+                      use_tqdm=False)  # warm-up
+        self.seconds, self.steps, self.tokens = 0.0, 0, []
+        step = self.llm.engine.step
 
+        def counted_step():
+            self.steps += 1
+            return step()
+        self.llm.engine.step = counted_step
+        self.spec_before = self.llm.engine.get_stats().spec_decode
 
-def make_llm(args, spec: dict):
-    from folio import LLM
-    return LLM(model=args.model, dtype=args.dtype, max_model_len=2048,
-               num_blocks=args.num_blocks, **spec, **{"observability.log_level": "warning"})
+    def run(self, conversations, max_tokens: int) -> None:
+        """Generate ``conversations`` (all at once when there are several)."""
+        from folio import SamplingParams
+        t0 = time.perf_counter()
+        outs = self.llm.chat(conversations, SamplingParams(temperature=0.0,
+                                                           max_tokens=max_tokens),
+                             use_tqdm=False)
+        self.seconds += time.perf_counter() - t0
+        self.tokens += [o.outputs[0].token_ids for o in outs]
 
-
-def run_mode(args, spec: dict, conversations, max_tokens: int, concurrent: bool) -> dict:
-    """Generate every conversation (one at a time unless ``concurrent``); the outputs,
-    output tokens, seconds, engine steps and spec-decode counters."""
-    from folio import SamplingParams
-    llm = make_llm(args, spec)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    llm.chat(conversations[0], SamplingParams(temperature=0.0, max_tokens=8),
-             use_tqdm=False)  # warm-up
-    steps = [0]
-    step = llm.engine.step
-
-    def counted_step():
-        steps[0] += 1
-        return step()
-    llm.engine.step = counted_step
-    before = llm.engine.get_stats().spec_decode
-    t0 = time.perf_counter()
-    if concurrent:
-        outs = llm.chat(conversations, params, use_tqdm=False)
-    else:
-        outs = [o for c in conversations for o in llm.chat(c, params, use_tqdm=False)]
-    seconds = time.perf_counter() - t0
-    tokens = [o.outputs[0].token_ids for o in outs]
-    result = {"seconds": seconds, "output_tokens": sum(map(len, tokens)), "steps": steps[0],
-              "tokens": tokens, "spec": _spec_delta(before, llm.engine.get_stats().spec_decode)}
-    result["tok_s"] = result["output_tokens"] / seconds
-    del llm
-    gc.collect()
-    return result
+    def result(self) -> dict:
+        num_out = sum(map(len, self.tokens))
+        return {"seconds": self.seconds, "output_tokens": num_out, "steps": self.steps,
+                "tok_s": num_out / self.seconds, "spec": _spec_delta(
+                    self.spec_before, self.llm.engine.get_stats().spec_decode)}
 
 
 def _spec_delta(before, after) -> dict | None:
@@ -88,39 +82,31 @@ def _spec_delta(before, after) -> dict | None:
             "mean_accepted_per_draft": accepted / drafts if drafts else 0.0}
 
 
-def compare(name: str, base: dict, runs: dict[str, dict]) -> dict:
-    """Print and return each run's tok/s against ``base`` and whether outputs match."""
-    out = {"off": _summary(base)}
-    print(f"\n{name}: off {base['tok_s']:.1f} tok/s ({base['output_tokens']} tokens, "
-          f"{base['steps']} steps)")
-    for label, run in runs.items():
-        row = _summary(run) | {"ratio": run["tok_s"] / base["tok_s"],
-                               "identical": run["tokens"] == base["tokens"]}
-        out[label] = row
-        spec = run["spec"] or {}
-        print(f"  {label:14s} {run['tok_s']:6.1f} tok/s  x{row['ratio']:.2f}  "
-              f"identical={row['identical']}  steps={run['steps']}  "
-              f"acceptance={spec.get('acceptance_rate', 0):.2f}")
+def section(args, title: str, specs: dict[str, dict], batches: list, max_tokens: int) -> dict:
+    """Run every batch of conversations through every mode, taking turns; each mode's
+    figures against the first's (``off``), and whether its outputs are the same."""
+    modes = [Mode(args, label, spec) for label, spec in specs.items()]
+    for i, batch in enumerate(batches):
+        for mode in modes[i % len(modes):] + modes[:i % len(modes)]:
+            mode.run(batch, max_tokens)
+    base, out = modes[0].result(), {}
+    print(f"\n{title}: off {base['tok_s']:.1f} tok/s ({base['output_tokens']} tokens, "
+          f"{base['steps']} steps, {base['seconds']:.1f} s)")
+    for mode in modes:
+        row = out[mode.label] = mode.result()
+        row["ratio"] = row["tok_s"] / base["tok_s"]
+        row["identical"] = mode.tokens == modes[0].tokens
+        row["step_cost_vs_off"] = ((row["seconds"] / row["steps"])
+                                   / (base["seconds"] / base["steps"]))
+        row["tokens_per_step"] = row["output_tokens"] / row["steps"]
+        spec = row["spec"] or {}
+        print(f"  {mode.label:14s} {row['tok_s']:6.1f} tok/s  x{row['ratio']:.2f}  "
+              f"identical={row['identical']}  acceptance={spec.get('acceptance_rate', 0):.2f}"
+              f"  tokens/step={row['tokens_per_step']:.2f}  step cost "
+              f"x{row['step_cost_vs_off']:.2f}")
+    del modes
+    gc.collect()
     return out
-
-
-def _summary(run: dict) -> dict:
-    return {k: run[k] for k in ("seconds", "output_tokens", "steps", "tok_s", "spec")}
-
-
-def draft_section(args, conversations, base: dict) -> dict:
-    spec = {"speculative.method": "draft_model", "speculative.draft_model": args.model,
-            "speculative.num_speculative_tokens": args.k}
-    run = run_mode(args, spec, conversations, args.copy_tokens, concurrent=False)
-    result = compare("draft_model (the model as its own draft), copy prompts", base,
-                     {"draft_model": run})
-    step_cost = (run["seconds"] / run["steps"]) / (base["seconds"] / base["steps"])
-    tokens_per_step = run["output_tokens"] / run["steps"]
-    result["step_cost_vs_off"] = step_cost
-    result["tokens_per_step"] = tokens_per_step
-    print(f"  a step with drafts costs {step_cost:.2f}x a step without; "
-          f"{tokens_per_step:.2f} tokens per step")
-    return result
 
 
 def machine() -> dict:
@@ -130,10 +116,11 @@ def machine() -> dict:
     return {"cpu": model, "cores": os.cpu_count(), "load_average": os.getloadavg()}
 
 
-def main() -> int:
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32",
+                   help="float32: greedy tokens are the same with and without drafts")
     p.add_argument("--k", type=int, default=5, help="num_speculative_tokens")
     p.add_argument("--copy-tokens", type=int, default=256)
     p.add_argument("--chat-tokens", type=int, default=128)
@@ -143,40 +130,46 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="a smoke run: 2 prompts, 16 tokens")
     p.add_argument("--json", default=None)
     args = p.parse_args()
-    copies, chats = copy_messages(), chat_messages()
     if args.quick:
-        copies, chats = copies[:2], chats[:2]
         args.copy_tokens = args.chat_tokens = 16
         args.concurrency = 4
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    off = {"speculative.method": "none"}
+    ngram = {"speculative.method": "ngram", "speculative.num_speculative_tokens": args.k}
+    fixed = {**ngram, "speculative.enable_adaptive": False}
+    draft = {"speculative.method": "draft_model", "speculative.draft_model": args.model,
+             "speculative.num_speculative_tokens": args.k}
+    copies = [[c] for c in copy_messages()[:2 if args.quick else None]]
+    chats = [[c] for c in chat_messages()[:2 if args.quick else None]]
     # distinct prompts (numbered), so the prefix cache does not serve whole prompts
-    batch = [[{"role": "user", "content": f"({i + 1}) {chats[i % len(chats)][0]['content']}"}]
+    batch = [[{"role": "user", "content": f"({i + 1}) {CHATS[i % len(CHATS)]}"}]
              for i in range(args.concurrency)]
     results: dict = {"machine": machine(), "args": vars(args)}
     print(f"machine: {results['machine']}")
-    if {"copy", "draft"} & set(args.sections):
-        copy_off = run_mode(args, OFF, copies, args.copy_tokens, concurrent=False)
-    if "copy" in args.sections:
-        results["copy"] = compare("copy-heavy, single stream", copy_off, {
-            "ngram": run_mode(args, ngram(args), copies, args.copy_tokens, False)})
-    if "chat" in args.sections:
-        chat_off = run_mode(args, OFF, chats, args.chat_tokens, concurrent=False)
-        results["chat"] = compare("free-form chat, single stream", chat_off, {
-            "ngram adaptive": run_mode(args, ngram(args), chats, args.chat_tokens, False),
-            "ngram fixed k": run_mode(args, ngram(args, False), chats, args.chat_tokens,
-                                      False)})
-    if "batch" in args.sections:
-        batch_off = run_mode(args, OFF, batch, args.chat_tokens, concurrent=True)
-        results["batch"] = compare(f"{args.concurrency} concurrent chat requests", batch_off,
-                                   {"ngram adaptive": run_mode(args, ngram(args), batch,
-                                                               args.chat_tokens, True)})
-    if "draft" in args.sections:
-        results["draft"] = draft_section(args, copies, copy_off)
+    plan = {
+        "copy": ("copy-heavy, single stream", {"off": off, "ngram": ngram}, copies,
+                 args.copy_tokens),
+        "chat": ("free-form chat, single stream",
+                 {"off": off, "ngram adaptive": ngram, "ngram fixed k": fixed}, chats,
+                 args.chat_tokens),
+        "batch": (f"{args.concurrency} concurrent chat requests",
+                  {"off": off, "ngram adaptive": ngram}, [batch, batch], args.chat_tokens),
+        "draft": ("draft_model (the model as its own draft), copy prompts",
+                  {"off": off, "draft_model": draft}, copies, args.copy_tokens)}
+    for name in args.sections:
+        results[name] = section(args, *plan[name])
     results["machine"]["load_average_end"] = os.getloadavg()
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
         print(f"results: {args.json}")
     return 0
 
+
+CHATS = [c[0]["content"] for c in chat_messages()]
 
 if __name__ == "__main__":
     sys.exit(main())

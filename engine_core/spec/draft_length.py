@@ -9,9 +9,10 @@ that while it is likely enough to be accepted, so a step verifies
     k = the largest k <= k_max with alpha ** k >= MIN_ACCEPT_PROB
 
 (alpha 0.9 → k_max for k_max 5, 0.5 → 2, 0.3 → 1, below 0.2 → 0). Copy-heavy requests
-climb to k_max within a step or two; free-form ones fall to k = 0 and cost nothing.
-At k = 0 a request still probes with one draft every PROBE_INTERVAL steps, so k grows
-back when its drafts start to hit. Counts decay by DECAY per verified step, so the
+climb to k_max within two steps; free-form ones fall to k = 0 and cost nothing. At
+k = 0 a request still probes with one draft every PROBE_INTERVAL steps, so k grows
+back when its drafts start to hit; with many requests running the interval stretches
+to twice their number, so that probes add half a token row to a step on average. Counts decay by DECAY per verified step, so the
 estimate follows a request whose text changes character (a quote, then commentary).
 """
 from __future__ import annotations
@@ -22,8 +23,10 @@ from dataclasses import dataclass
 MIN_ACCEPT_PROB = 0.2
 DECAY = 0.7
 PROBE_INTERVAL = 8
-# The prior: one accepted out of two tested (alpha 0.5, k = 2) until evidence arrives.
-PRIOR_ACCEPTED, PRIOR_TESTED = 1.0, 2.0
+# The prior, worth two tested drafts: alpha 0.3 (k = 1), so a request earns longer
+# runs (two accepted steps take a copying request to k = 5) and a free-form one
+# wastes little before its estimate falls.
+PRIOR_ACCEPTED, PRIOR_TESTED = 0.6, 2.0
 
 
 @dataclass(slots=True)
@@ -52,8 +55,9 @@ class DraftLength:
         """The current acceptance estimate of ``req_id`` (the prior if it has none)."""
         return self._requests.get(req_id, _Acceptance()).alpha
 
-    def next_k(self, req_id: str) -> int:
-        """Drafts ``req_id`` should verify in the step being planned."""
+    def next_k(self, req_id: str, num_running: int = 1) -> int:
+        """Drafts ``req_id`` should verify in the step being planned, with
+        ``num_running`` requests running."""
         if not self.is_adaptive:
             return self.max_k
         state = self._requests.setdefault(req_id, _Acceptance())
@@ -62,7 +66,7 @@ class DraftLength:
             state.num_idle_steps = 0
             return k
         state.num_idle_steps += 1
-        if state.num_idle_steps >= PROBE_INTERVAL:
+        if state.num_idle_steps >= max(PROBE_INTERVAL, 2 * num_running):
             state.num_idle_steps = 0
             return 1
         return 0

@@ -73,7 +73,7 @@ class Speculator:
             return
         candidates, wanted = [], []
         for request in running:
-            k = self._wanted(request, plan)
+            k = self._wanted(request, plan, len(running))
             if k > 0:
                 candidates.append(request)
                 wanted.append(k)
@@ -91,7 +91,7 @@ class Speculator:
             plan.add_drafts(request, k, new_blocks.get_block_ids(),
                             None if drafts is None else drafts[:k])
 
-    def _wanted(self, request: Request, plan: StepPlan) -> int:
+    def _wanted(self, request: Request, plan: StepPlan, num_running: int) -> int:
         """Drafts ``request`` could verify this step (0: it is not a plain decode)."""
         if (plan.num_scheduled_tokens.get(request.req_id) != 1
                 or request.req_id not in plan.cached_reqs
@@ -100,7 +100,7 @@ class Speculator:
         # k + 1 tokens may come back: never past max_tokens or max_model_len.
         room = min(request.max_tokens - request.num_output_tokens,
                    self.max_model_len - request.num_tokens + 1) - 1
-        return min(room, self.lengths.next_k(request.req_id)) if room > 0 else 0
+        return min(room, self.lengths.next_k(request.req_id, num_running)) if room > 0 else 0
 
     def on_verified(self, request: Request, num_drafts: int, num_sampled: int) -> None:
         """Book a verified step: ``num_sampled`` tokens came back for ``num_drafts``

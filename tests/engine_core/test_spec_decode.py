@@ -94,16 +94,27 @@ def test_ngram_mirror_follows_appended_tokens():
 
 def test_adaptive_k_shrinks_to_zero_probes_and_grows_back():
     lengths = DraftLength(max_k=5)
-    assert lengths.next_k("r") == 2  # the prior: alpha 0.5
-    for _ in range(3):
+    assert lengths.next_k("r") == 1  # the prior: alpha 0.3
+    lengths.record("r", 1, 1)
+    assert lengths.next_k("r") == 3
+    lengths.record("r", 3, 3)
+    assert lengths.next_k("r") == 5  # a copying request: two steps to k_max
+    for _ in range(5):
         lengths.record("r", 2, 0)
     assert lengths.next_k("r") == 0
     ks = [lengths.next_k("r") for _ in range(PROBE_INTERVAL)]
     assert ks == [0] * (PROBE_INTERVAL - 2) + [1, 0]  # the 8th idle step probes
-    for _ in range(3):
+    grown = []
+    for _ in range(4):  # probes that hit bring k back
         lengths.record("r", 1, 1)
-    assert lengths.next_k("r") == 5
+        grown.append(lengths.next_k("r"))
+    assert grown == [1, 3, 4, 5]
     assert DraftLength(max_k=5, is_adaptive=False).next_k("r") == 5
+    busy = DraftLength(max_k=5)  # 32 running: a probe every 64 idle steps
+    busy.record("r", 2, 0)
+    busy.record("r", 2, 0)
+    ks = [busy.next_k("r", num_running=32) for _ in range(64)]
+    assert ks == [0] * 63 + [1]
     assert [k_for_alpha(a, 5) for a in (1.0, 0.9, 0.5, 0.3, 0.1)] == [5, 5, 2, 1, 0]
 
 
