@@ -87,6 +87,24 @@ def test_a_random_draft_accepts_almost_none_and_changes_nothing(make_tiny_llm, r
         < 0.3 * fixed.num_draft_tokens
 
 
+def test_stop_strings_and_tokens_inside_an_accepted_run(make_tiny_llm, self_draft, prompts,
+                                                       reference):
+    plain = make_tiny_llm()
+    text = plain.generate(prompts[2], GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 4]  # some text in the middle
+    params = [SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]),
+              SamplingParams(temperature=0.0, max_tokens=24,
+                             stop_token_ids=[reference[3][9]])]
+    want = plain.generate([prompts[2], prompts[3]], params, use_tqdm=False)
+    llm = draft_llm(make_tiny_llm, self_draft, k=4)  # every draft accepted: runs of 5
+    got = llm.generate([prompts[2], prompts[3]], params, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert (g.outputs[0].text, g.outputs[0].token_ids, g.outputs[0].finish_reason) \
+            == (w.outputs[0].text, w.outputs[0].token_ids, w.outputs[0].finish_reason)
+    assert got[0].outputs[0].finish_reason == "stop" and stop not in got[0].outputs[0].text
+    assert got[1].outputs[0].token_ids == reference[3][:10]  # ends on the stop token
+
+
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_greedy_identity_in_a_batch_with_chunked_prefill_and_preemption(
         make_tiny_llm, self_draft, prompts, reference, method):
