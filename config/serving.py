@@ -92,6 +92,8 @@ class APIConfig:
                                       "beyond); at least max_body_bytes")
     max_stop_string_chars: int = _f(1024, "longest stop string in characters")
     max_stop_token_ids: int = _f(256, "most stop_token_ids per request (at most the vocab)")
+    max_json_values: int = _f(262144, "most values (list items, object members) in one "
+                              "JSON body, refused before parsing (400 beyond)")
     num_tokenizer_threads: int = _f(2, "threads per API process that tokenize and render "
                                     "chat templates off its event loop")
     allow_special_tokens_in_content: bool = _f(False, "chat content may write special "
@@ -118,5 +120,6 @@ class APIConfig:
                "the largest allowed body could never be read)")
         _check(self.max_stop_string_chars >= 1, "api.max_stop_string_chars", "must be >= 1")
         _check(self.max_stop_token_ids >= 0, "api.max_stop_token_ids", "must be >= 0")
+        _check(self.max_json_values >= 1024, "api.max_json_values", "must be at least 1024")
         _check(1 <= self.num_tokenizer_threads <= 64, "api.num_tokenizer_threads",
                "must be in 1..64")

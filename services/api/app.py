@@ -92,7 +92,7 @@ class APIServer:
     async def _body(self, request) -> dict:
         with self.body_budget.reservation() as reservation:
             raw = await read_body(request, self.api.max_body_bytes, reservation)
-            body = parse_json_object(raw)
+            body = parse_json_object(raw, self.api.max_json_values)
         check_model(body, self.model_name)
         return body
 
