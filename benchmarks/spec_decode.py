@@ -15,6 +15,8 @@ and after, go to --json.
 
     .venv/bin/python benchmarks/spec_decode.py --json benchmarks/results/spec_decode.json
     .venv/bin/python benchmarks/spec_decode.py --quick      # a smoke run
+    .venv/bin/python benchmarks/spec_decode.py --num-prompts 2 --copy-tokens 128 \
+        --chat-tokens 48 --concurrency 8 --note "..."          # a few minutes
 """
 from __future__ import annotations
 
@@ -109,11 +111,20 @@ def section(args, title: str, specs: dict[str, dict], batches: list, max_tokens:
     return out
 
 
+# CPU flags that decide which kernels and dtypes run fast (DESIGN.md, section 7).
+KEY_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+             "amx_bf16", "amx_int8", "amx_tile")
+
+
 def machine() -> dict:
-    model = next((line.split(":", 1)[1].strip() for line in
-                  Path("/proc/cpuinfo").read_text().splitlines()
+    """CPU model, the flags in KEY_FLAGS it has, cores and load average."""
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    model = next((line.split(":", 1)[1].strip() for line in lines
                   if line.startswith("model name")), platform.processor())
-    return {"cpu": model, "cores": os.cpu_count(), "load_average": os.getloadavg()}
+    flags = next((line.split(":", 1)[1].split() for line in lines
+                  if line.startswith("flags")), [])
+    return {"cpu": model, "cpu_flags": [f for f in KEY_FLAGS if f in flags],
+            "cores": os.cpu_count(), "load_average": os.getloadavg()}
 
 
 def parse_args():
@@ -127,12 +138,17 @@ def parse_args():
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--num-blocks", type=int, default=640)
     p.add_argument("--sections", nargs="*", default=["copy", "chat", "batch", "draft"])
+    p.add_argument("--num-prompts", type=int, default=5,
+                   help="copy and chat prompts per single-stream section (1-5)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 2 prompts, 16 tokens")
+    p.add_argument("--note", default=None, help="free text stored with the results "
+                   "(e.g. what else ran on the machine)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.quick:
         args.copy_tokens = args.chat_tokens = 16
         args.concurrency = 4
+        args.num_prompts = min(args.num_prompts, 2)
     return args
 
 
@@ -143,12 +159,12 @@ def main() -> int:
     fixed = {**ngram, "speculative.enable_adaptive": False}
     draft = {"speculative.method": "draft_model", "speculative.draft_model": args.model,
              "speculative.num_speculative_tokens": args.k}
-    copies = [[c] for c in copy_messages()[:2 if args.quick else None]]
-    chats = [[c] for c in chat_messages()[:2 if args.quick else None]]
+    copies = [[c] for c in copy_messages()[:args.num_prompts]]
+    chats = [[c] for c in chat_messages()[:args.num_prompts]]
     # distinct prompts (numbered), so the prefix cache does not serve whole prompts
     batch = [[{"role": "user", "content": f"({i + 1}) {CHATS[i % len(CHATS)]}"}]
              for i in range(args.concurrency)]
-    results: dict = {"machine": machine(), "args": vars(args)}
+    results: dict = {"machine": machine(), "args": vars(args), "note": args.note}
     print(f"machine: {results['machine']}")
     plan = {
         "copy": ("copy-heavy, single stream", {"off": off, "ngram": ngram}, copies,
