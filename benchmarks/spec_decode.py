@@ -178,9 +178,10 @@ def main() -> int:
                   {"off": off, "draft_model": draft}, copies, args.copy_tokens)}
     for name in args.sections:
         results[name] = section(args, *plan[name])
-    results["machine"]["load_average_end"] = os.getloadavg()
+        results["machine"]["load_average_end"] = os.getloadavg()
+        if args.json:  # after every section: a run cut short keeps what it measured
+            Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
         print(f"results: {args.json}")
     return 0
 
