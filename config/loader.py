@@ -48,6 +48,12 @@ FLAT_ALIASES = {
     "max_loras": "lora.max_loras",
     "max_lora_rank": "lora.max_lora_rank",
     "max_cpu_loras": "lora.max_cpu_loras",
+    "speculative_method": "speculative.method",
+    "num_speculative_tokens": "speculative.num_speculative_tokens",
+    "prompt_lookup_min": "speculative.prompt_lookup_min",
+    "prompt_lookup_max": "speculative.prompt_lookup_max",
+    "speculative_draft_model": "speculative.draft_model",
+    "speculative_disable_by_batch_size": "speculative.disable_by_batch_size",
 }
 
 

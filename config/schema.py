@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from config.fields import ConfigError, _check, _f  # noqa: F401
 from config.lora import LoRAConfig
 from config.serving import APIConfig, ServicesConfig
+from config.speculative import SpeculativeConfig
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -190,3 +191,4 @@ class FolioConfig:
     services: ServicesConfig = field(default_factory=ServicesConfig)
     api: APIConfig = field(default_factory=APIConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

@@ -1,6 +1,7 @@
 """EngineCore: validates requests, expands n > 1, and runs schedule -> execute -> update."""
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Iterable, Sequence
@@ -9,6 +10,7 @@ from typing import Protocol
 
 from config.lora import LoRAConfig
 from config.schema import CacheConfig, SchedulerConfig
+from config.speculative import SpeculativeConfig
 from engine_core.lora_control import LoRAControl, LoRAExecutor, LoRAStats
 from engine_core.model_facts import ModelFacts
 from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -17,6 +19,7 @@ from engine_core.request import Request
 from engine_core.sampling_params import InvalidRequestError, SamplingParams
 from engine_core.scheduler import Scheduler
 from engine_core.scheduler_output import SchedulerOutput
+from engine_core.spec.speculator import DraftOutcome, SpecDecodeStats
 
 MAX_TENANT_CHARS = 128  # tenants are API-key names, not payloads
 MAX_REQ_ID_CHARS = 256  # ids travel in every step that names the request: keep them small
@@ -46,6 +49,7 @@ class EngineCoreStats:
     prefix_cache_queries: int  # tokens looked up, since start
     prefix_cache_hits: int  # of those, tokens found cached
     lora: LoRAStats | None = None  # adapters of running and waiting requests (LoRA on)
+    spec_decode: SpecDecodeStats | None = None  # since start; None: speculation is off
 
 
 def _validate_tenant(tenant: object, tenant_weight: object) -> None:
@@ -78,9 +82,10 @@ class EngineCore:
                  num_blocks: int, block_size: int, max_model_len: int,
                  executor: ModelExecutor, eos_token_ids: Sequence[int] = (),
                  vocab_size: int | None = None, lora_config: LoRAConfig | None = None,
-                 lora_executor: LoRAExecutor | None = None):
+                 lora_executor: LoRAExecutor | None = None, *,
+                 speculative_config: SpeculativeConfig | None = None):
         self.scheduler = Scheduler(scheduler_config, cache_config, num_blocks, block_size,
-                                   max_model_len, lora_config)
+                                   max_model_len, lora_config, speculative_config)
         self.lora = LoRAControl(self.scheduler.lora) if self.scheduler.lora else None
         self.lora_executor = lora_executor
         self.queue_limits = QueueLimits.from_config(scheduler_config)
@@ -93,12 +98,14 @@ class EngineCore:
     def from_model_facts(cls, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                          facts: ModelFacts, executor: ModelExecutor | None,
                          lora_config: LoRAConfig | None = None,
-                         lora_executor: LoRAExecutor | None = None) -> "EngineCore":
+                         lora_executor: LoRAExecutor | None = None,
+                         speculative_config: SpeculativeConfig | None = None
+                         ) -> "EngineCore":
         """The engine core for a loaded model (``executor`` None: the caller runs each
         step's plan elsewhere, between ``begin_step`` and ``end_step``)."""
         return cls(scheduler_config, cache_config, facts.num_blocks, facts.block_size,
                    facts.max_model_len, executor, facts.eos_token_ids, facts.vocab_size,
-                   lora_config, lora_executor)
+                   lora_config, lora_executor, speculative_config=speculative_config)
 
     def add_request(self, req_id: str, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None,
@@ -281,6 +288,7 @@ class EngineCore:
     def get_stats(self) -> EngineCoreStats:
         """Current gauges and cumulative counters."""
         kv = self.scheduler.kv_cache_manager
+        spec = self.scheduler.speculator
         return EngineCoreStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             num_waiting_tokens=self.scheduler.num_waiting_tokens,
@@ -288,4 +296,10 @@ class EngineCore:
             prefix_cache_queries=kv.prefix_cache_stats.num_query_tokens,
             prefix_cache_hits=kv.prefix_cache_stats.num_hit_tokens,
             lora=self.lora.stats(self.scheduler.running, list(self.scheduler.waiting))
-            if self.lora is not None else None)
+            if self.lora is not None else None,
+            spec_decode=copy.deepcopy(spec.stats) if spec is not None else None)
+
+    def last_draft_outcomes(self) -> dict[str, DraftOutcome]:
+        """Per request, the drafts verified in the step ``end_step`` last applied."""
+        spec = self.scheduler.speculator
+        return spec.last_outcomes if spec is not None else {}

@@ -4,7 +4,9 @@ One counter drives progress. Each step grants a request up to
 ``num_tokens - num_computed_tokens`` tokens under the shared token budget; prefill
 chunks, decodes, recompute after preemption and forked samples are the same case.
 ``num_computed_tokens`` advances when a step is scheduled (the runner computes
-exactly what it is told), so a sampled token only has to be appended afterwards.
+exactly what it is told), so a sampled token only has to be appended afterwards;
+with speculative decoding it steps back over drafts the runner rejected
+(engine_core/spec/speculator.py).
 """
 from __future__ import annotations
 
@@ -13,20 +15,22 @@ from collections.abc import Iterable
 
 from config.lora import LoRAConfig
 from config.schema import CacheConfig, SchedulerConfig
+from config.speculative import SpeculativeConfig
 from engine_core.fair_queue import FairQueue
 from engine_core.fair_step import FairPlanner
 from engine_core.fork_tracker import ForkTracker
 from engine_core.kv_cache_manager import KVCacheManager
 from engine_core.lora_admission import LoRAAdmission
 from engine_core.ordered_step import OrderedPlanner
-from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput, TokenLogprobs
+from engine_core.output_deltas import append_tokens, make_delta
+from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.request import Request, RequestStatus
 from engine_core.request_limits import RequestLimits
 from engine_core.request_queue import RequestQueue
 from engine_core.sampling_params import InvalidRequestError
 from engine_core.scheduler_output import SchedulerOutput
+from engine_core.spec.speculator import speculator_for
 from engine_core.step_plan import StepPlan
-from engine_core.stop_checker import append_until_stop
 from engine_core.tenant_shares import TenantWeights
 
 
@@ -46,7 +50,8 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, block_size: int, max_model_len: int,
-                 lora_config: LoRAConfig | None = None):
+                 lora_config: LoRAConfig | None = None,
+                 speculative_config: SpeculativeConfig | None = None):
         self.config = scheduler_config
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -72,6 +77,8 @@ class Scheduler:
                                     scheduler_config.enable_chunked_prefill)
         self.lora = (LoRAAdmission(lora_config)
                      if lora_config is not None and lora_config.enable_lora else None)
+        self.speculator = speculator_for(speculative_config, self.kv_cache_manager,
+                                         max_model_len)
         self.num_preemptions = 0
         self._children: dict[str, list[str]] = {}  # parent id -> live sample ids
         self._runner_req_ids: set[str] = set()  # requests the runner holds state for
@@ -125,6 +132,8 @@ class Scheduler:
             for request in reversed(self.lora.begin_step(self.running)):
                 self.waiting.add_front(request)
         self.planner.plan_step(plan)
+        if self.speculator is not None:
+            self.speculator.grant_drafts(plan, self.running)
         return self._make_output(plan)
 
     def num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
@@ -203,7 +212,7 @@ class Scheduler:
     def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         kv = self.kv_cache_manager
         out = plan.build(kv.get_block_ids, self._finished_req_ids,
-                         self.forks.take_block_copies())
+                         self.forks.take_block_copies(), kv.take_dropped_blocks)
         self._finished_req_ids = set()
         for req_id, num_tokens in out.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
@@ -226,33 +235,22 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
+            i = position.get(req_id)
+            sampled = mro.sampled_token_ids[i] if i is not None else []
+            if req_id in scheduler_output.num_spec_tokens:
+                self.speculator.on_verified(
+                    request, scheduler_output.num_spec_tokens[req_id], len(sampled))
             # Fork before stop checks: the source may finish (and free) right now.
             self._fork_waiters(request)
-            i = position.get(req_id)
-            if i is None or not mro.sampled_token_ids[i]:
+            if not sampled:
                 continue
             logprobs = mro.logprobs[i] if i < len(mro.logprobs) else None
-            outputs.append(self._append_tokens(request, mro.sampled_token_ids[i], logprobs))
+            out, status = append_tokens(request, sampled, logprobs, self.max_model_len)
+            if status is not None:
+                self._finish(request, status)
+                out.finish_reason = request.finish_reason
+            outputs.append(out)
         return outputs
-
-    def _append_tokens(self, request: Request, token_ids: list[int],
-                       logprobs: list[TokenLogprobs] | None) -> EngineCoreOutput:
-        is_first = request.num_output_tokens == 0
-        new_ids, status = append_until_stop(request, token_ids, self.max_model_len)
-        out = self._make_delta(request, new_ids, is_first)
-        out.new_logprobs = logprobs[:len(new_ids)] if logprobs is not None else None
-        if status is not None:
-            self._finish(request, status)
-            out.finish_reason = request.finish_reason
-            out.stop_reason = request.stop_reason
-        return out
-
-    @staticmethod
-    def _make_delta(request: Request, new_ids: list[int], is_first: bool) -> EngineCoreOutput:
-        return EngineCoreOutput(
-            req_id=request.req_id, new_token_ids=new_ids,
-            num_cached_tokens=max(request.num_cached_tokens, 0) if is_first else 0,
-            parent_req_id=request.parent_req_id, index=request.index)
 
     def _fork_waiters(self, source: Request) -> None:
         for child in reversed(self.forks.fork_ready(source)):
@@ -278,7 +276,7 @@ class Scheduler:
                 request = self.requests.get(target)
                 if request is None:
                     continue
-                out = self._make_delta(request, [], request.num_output_tokens == 0)
+                out = make_delta(request, [], request.num_output_tokens == 0)
                 self._finish(request, status)
                 out.finish_reason = request.finish_reason
                 self._pending_outputs.append(out)
@@ -296,6 +294,8 @@ class Scheduler:
         request.status = status
         request.finish_reason = status.finish_reason
         self.kv_cache_manager.free(request)
+        if self.speculator is not None:
+            self.speculator.forget(request)
         self._forget_runner_state(request)
         del self.requests[request.req_id]
         self.tenant_weights.remove(request)

@@ -4,7 +4,8 @@ API processes each scrape still sees one consistent, engine-wide set of numbers.
 
 Names follow what vLLM operators chart, under the ``folio:`` prefix. Request latencies
 are measured from the moment the API process accepted the request (its wall clock
-travels in AddRequest); a request is one sample (``n > 1`` counts each sample).
+travels in AddRequest); a request is one sample (``n > 1`` counts each sample). With
+speculative decoding on, vLLM's ``spec_decode_*`` counters are served too.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from engine_core.engine import EngineCoreStats
 from engine_core.outputs import EngineCoreOutput
 from engine_core.scheduler_output import SchedulerOutput
 from observability.lora_metrics import LoRAMetrics
+from engine_core.spec.speculator import SpecDecodeStats
 
 PREFIX = "folio:"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -36,10 +38,15 @@ class _RequestClock:
 
 
 class EngineMetrics:
-    """Every engine-side metric; ``render()`` gives the Prometheus text. ``max_loras``
-    (LoRA on) adds vLLM's ``lora_requests_info`` and the adapter counts (lora_metrics.py)."""
+    """Every engine-side metric; ``render()`` gives the Prometheus text.
 
-    def __init__(self, model_name: str, max_loras: int | None = None):
+    ``max_loras`` (LoRA on) adds vLLM's ``lora_requests_info`` and the adapter counts
+    (lora_metrics.py); ``num_spec_positions`` is speculative decoding's k (0: off, no
+    spec_decode metrics).
+    """
+
+    def __init__(self, model_name: str, max_loras: int | None = None,
+                 num_spec_positions: int = 0):
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
         self._labels = labels
@@ -89,6 +96,8 @@ class EngineMetrics:
         self._clocks: dict[str, _RequestClock] = {}
         self._last_queries = 0
         self._last_hits = 0
+        self.spec = _SpecDecodeMetrics(r, labels, num_spec_positions) \
+            if num_spec_positions else None
 
     def on_add(self, req_id: str, arrival_time: float, num_prompt_tokens: int) -> None:
         self._clocks[req_id] = _RequestClock(arrival_time, num_prompt_tokens, time.time())
@@ -117,6 +126,8 @@ class EngineMetrics:
         self._last_queries, self._last_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
         if self.lora is not None and stats.lora is not None:
             self.lora.update(stats.lora)
+        if self.spec is not None and stats.spec_decode is not None:
+            self.spec.update(stats.spec_decode)
 
     def _on_output(self, out: EngineCoreOutput, now: float) -> None:
         clock = self._clocks.get(out.req_id)
@@ -145,3 +156,36 @@ class EngineMetrics:
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()
+
+
+class _SpecDecodeMetrics:
+    """vLLM's speculative-decoding counters, moved by the deltas of the engine's
+    cumulative SpecDecodeStats."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict, num_positions: int):
+        names = list(labels)
+
+        def counter(name, doc):
+            return Counter(PREFIX + name, doc, names, registry=registry).labels(**labels)
+
+        self.num_drafts = counter("spec_decode_num_drafts",
+                                  "Requests' draft runs verified (one per request per step)")
+        self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
+        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                           "Draft tokens accepted")
+        per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                          "Draft tokens accepted at each position of a draft run",
+                          names + ["position"], registry=registry)
+        self.per_pos = [per_pos.labels(position=str(i), **labels)
+                        for i in range(num_positions)]
+        self._last = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * num_positions)
+
+    def update(self, stats: SpecDecodeStats) -> None:
+        last = self._last
+        self.num_drafts.inc(stats.num_drafts - last.num_drafts)
+        self.num_draft_tokens.inc(stats.num_draft_tokens - last.num_draft_tokens)
+        self.num_accepted_tokens.inc(stats.num_accepted_tokens - last.num_accepted_tokens)
+        for counter, now, before in zip(self.per_pos, stats.num_accepted_tokens_per_pos,
+                                        last.num_accepted_tokens_per_pos):
+            counter.inc(now - before)
+        self._last = stats

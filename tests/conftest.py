@@ -45,6 +45,18 @@ def tiny_qwen2_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_draft_dir(tiny_llama_dir, default_model_path, tmp_path_factory):
+    """The tiny Llama as a speculative-decoding draft of itself: a copy that ships the
+    default model's tokenizer.json (a draft must come with the model's tokenizer)."""
+    import shutil
+    from text.tokenizer import Tokenizer
+    folder = tmp_path_factory.mktemp("tiny_llama_draft")
+    shutil.copytree(tiny_llama_dir, folder, dirs_exist_ok=True)
+    Tokenizer.from_model_path(default_model_path).backend.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.fixture(scope="session")
 def default_model_path():
     from model_files.paths import resolve_model_path
     return resolve_model_path("default")

@@ -29,10 +29,11 @@ class EngineObserver:
 
     def __init__(self, config: FolioConfig, model_name: str, tracing: Tracing | None = None):
         obs = config.observability
-        lora = config.lora
-        self.metrics = (EngineMetrics(model_name, lora.max_loras if lora.enable_lora else None)
+        lora, spec = config.lora, config.speculative
+        self.metrics = (EngineMetrics(model_name, lora.max_loras if lora.enable_lora else None,
+                                      spec.num_speculative_tokens if spec.is_enabled else 0)
                         if obs.enable_metrics else None)
-        self.tracer = (EngineTracer(tracing.tracer, obs.trace_step_detail)
+        self.tracer = (EngineTracer(tracing.tracer, obs.trace_step_detail, spec.is_enabled)
                        if tracing is not None and tracing.enabled else None)
         self._ids: dict[str, _RequestIds] = {}  # sample id → ids for log lines
 
@@ -66,7 +67,7 @@ class EngineObserver:
     def end_step(self, so: SchedulerOutput, outputs: list[EngineCoreOutput],
                  engine: EngineCore) -> None:
         if self.tracer is not None:
-            self.tracer.end_step(so, outputs)
+            self.tracer.end_step(so, outputs, engine.last_draft_outcomes())
         if self.metrics is not None:
             self.metrics.on_step(so, outputs, engine.get_stats())
         for out in outputs:

@@ -99,7 +99,8 @@ class EngineCoreService:
             raise WorkerFailure(f"worker's first frame was {type(ready).__name__}")
         self.engine = EngineCore.from_model_facts(self.config.scheduler, self.config.cache,
                                                   ready.facts, executor=None,
-                                                  lora_config=self.config.lora)
+                                                  lora_config=self.config.lora,
+                                                  speculative_config=self.config.speculative)
         self.clients = APIClients(self.engine)
         self.lora = EngineLoRA(self.engine)
         self._reader = asyncio.get_running_loop().create_task(self._read_worker(messages))
