@@ -10,6 +10,7 @@ from config.loader import config_to_dict, load_config
 from config.schema import FolioConfig
 from engine_core.sampling_params import InvalidRequestError, SamplingParams
 from observability.logging import configure_logging, get_logger
+from text.grammar_compiler import GrammarError
 from text.output_processor import OutputProcessor
 from text.request_output import RequestOutput
 from text.tokenizer import Tokenizer
@@ -66,8 +67,8 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
-        All prompts are validated before any is queued, so a bad one raises
-        InvalidRequestError (naming the field) and leaves the engine untouched.
+        All prompts are validated before any is queued (grammars compiled), so a bad one
+        raises InvalidRequestError (naming the field) and leaves the engine untouched.
         """
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
@@ -82,6 +83,7 @@ class LLM:
         tokenized = [self._tokenize(p) for p in prompts]
         for (_, ids), p in zip(tokenized, params):
             self.engine.validate_request(ids, p)
+            self._check_grammar(p)
         req_ids = []
         for (text, ids), p in zip(tokenized, params):
             req_id = f"offline-{next(self._ids)}"
@@ -89,6 +91,16 @@ class LLM:
             self.processor.add_request(req_id, text, ids, p, child_ids)
             req_ids.append(req_id)
         return self._run(req_ids, use_tqdm)
+
+    def _check_grammar(self, params: SamplingParams) -> None:
+        """Compile a request's grammar before it is queued (kept in the runner's cache):
+        InvalidRequestError naming ``structured_outputs`` if it does not compile."""
+        if params.structured_outputs is None:
+            return
+        try:
+            self.runner.structured_output.validate(params.structured_outputs.spec)
+        except GrammarError as e:
+            raise InvalidRequestError(str(e), "structured_outputs") from None
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

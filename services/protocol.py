@@ -24,7 +24,7 @@ from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler_output import NewRequestData, SchedulerOutput
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 # The health snapshot's contract between the engine core (publisher) and every API
 # process (reader): pushed at most every PUBLISH interval when it changed and at least

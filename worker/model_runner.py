@@ -20,6 +20,7 @@ from worker.models.registry import build_model
 from worker.request_state import CachedRequestState, make_generator
 from worker.sampler import Sampler
 from worker.sampling_metadata import SamplingMetadata
+from worker.structured_output import StructuredOutputManager
 
 log = get_logger(__name__)
 
@@ -72,6 +73,8 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         self.eos_token_ids = tuple(self.arch.eos_token_ids)
+        self.structured_output = StructuredOutputManager(self.arch.vocab_size,
+                                                         self.eos_token_ids)
         self.attention_backend = self._pick_attention_backend()
         self.cuda_graphs = None  # DecodeCudaGraphs once captured
 
@@ -186,6 +189,8 @@ class ModelRunner:
         batch = build_input_batch(states, [so.num_scheduled_tokens[r] for r in req_ids],
                                   self.block_size, self.arch.sliding_window,
                                   self.attention_backend)
+        # constrained rows' masks fill on a thread while the forward runs
+        grammar_step = self.structured_output.begin_step(batch.sampling_states)
         t1 = time.perf_counter()
         timing.prepare_seconds = t1 - t0
         hidden = self.forward(batch)
@@ -193,11 +198,14 @@ class ModelRunner:
             state.num_computed_tokens += n
         if not batch.sampling_states:
             timing.forward_seconds = time.perf_counter() - t1
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(
+                structured_output=self.structured_output.take_report(None))
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         t2 = time.perf_counter()
         timing.forward_seconds = t2 - t1
         sampling = batch.sampling_states
+        if grammar_step is not None:  # masks applied; rows still compiling deferred
+            logits, sampling = grammar_step.apply(logits, sampling)
         md = SamplingMetadata.build(
             [s.sampling_params for s in sampling], [s.generator for s in sampling],
             [s.prompt_token_ids for s in sampling] , [s.output_token_ids for s in sampling],
@@ -206,7 +214,11 @@ class ModelRunner:
         token_list = tokens.tolist()
         for state, token in zip(sampling, token_list):
             state.token_ids.append(token)
+        if grammar_step is not None:
+            grammar_step.accept(token_list)
         timing.sample_seconds = time.perf_counter() - t2
         return ModelRunnerOutput(req_ids=[s.req_id for s in sampling],
                                  sampled_token_ids=[[t] for t in token_list],
-                                 logprobs=[[lp] if lp is not None else None for lp in logprobs])
+                                 logprobs=[[lp] if lp is not None else None for lp in logprobs],
+                                 structured_output=self.structured_output.take_report(
+                                     grammar_step))

@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine_core.worker_sampling import WorkerSamplingParams
+
+if TYPE_CHECKING:
+    from worker.structured_output.request_grammar import RequestGrammar
 
 
 @dataclass(slots=True)
@@ -14,6 +18,7 @@ class CachedRequestState:
 
     The runner appends the tokens it samples itself, so the engine core never sends
     them back; ``num_computed_tokens`` counts the tokens whose K/V are in the cache.
+    ``grammar`` is the sample's matcher once it first samples under a grammar.
     """
 
     req_id: str
@@ -23,6 +28,7 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None
+    grammar: RequestGrammar | None = None
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -26,6 +26,7 @@ from services.api.engine_client import EngineClient, EngineDead
 from services.api.errors import error_middleware
 from services.api.expect_continue import ExpectContinue
 from services.api.generation import Generation
+from services.api.grammar_check import GrammarChecker
 from services.api.openai_protocol import APIError, unavailable
 from services.api.openapi import openapi_document
 from services.api.request_body import check_declared_size, parse_json_object, read_body
@@ -61,6 +62,10 @@ class APIServer:
         self.api_metrics = APIMetrics(self.connections, self.body_budget)
         self.tokens = TokenizerPool(tokenizer, self.api.num_tokenizer_threads,
                                     self.api.allow_special_tokens_in_content)
+        self.grammars = GrammarChecker(
+            tokenizer, self.validator.limits.vocab_size,
+            facts.eos_token_ids if facts is not None else tokenizer.eos_token_ids,
+            self.api.grammar_compile_timeout_s)
 
     def app(self) -> web.Application:
         public = {"/health", "/metrics"} if self.api.public_metrics else {"/health"}
@@ -88,6 +93,7 @@ class APIServer:
 
     async def _close(self, app: web.Application) -> None:
         self.tokens.close()
+        self.grammars.close()
 
     async def _body(self, request) -> dict:
         with self.body_budget.reservation() as reservation:
@@ -101,6 +107,7 @@ class APIServer:
         return Generation.start(request, checked, chat, engine=self.engine,
                                 tokenizer=self.tokenizer, validator=self.validator,
                                 model_name=self.model_name, tracer=self.tracer,
+                                grammars=self.grammars,
                                 cache_salt=request.get(CACHE_SALT), tenant=tenant,
                                 tenant_weight=self.api.tenant_weights.get(tenant, 1.0))
 
@@ -121,7 +128,8 @@ class APIServer:
         async def tokenize() -> list[int]:
             return await self.tokens.encode_chat(
                 checked.messages, checked.add_generation_prompt,
-                lambda text: self.validator.check_prompt_text(text, "messages"))
+                lambda text: self.validator.check_prompt_text(text, "messages"),
+                checked.tools)
 
         with self.admission.admitted():
             return await self._generation(request, checked, chat=True).respond(

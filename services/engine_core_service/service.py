@@ -209,7 +209,7 @@ class EngineCoreService:
                                  if self.engine.needs_worker(scheduler_output)
                                  else ModelRunnerOutput())
                 outputs = self.engine.end_step(scheduler_output, runner_output)
-                self.observer.end_step(scheduler_output, outputs, self.engine)
+                self.observer.end_step(scheduler_output, outputs, self.engine, runner_output)
                 await self._route(outputs)
                 await self.clients.publish()
                 self.health.on_step()
