@@ -6,7 +6,7 @@ Compiles run on one thread of their own (llguidance releases the GIL while it bu
 never on the event loop and never on the tokenizer threads, so a slow grammar delays
 only other grammars. Verdicts are kept by spec (LRU): a schema sent again costs a
 lookup. The time limit counts from the moment the compile starts; a request whose
-grammar waited that long behind others' is told to retry (503) rather than blamed.
+grammar waited MAX_QUEUE_WAIT_S behind others' is told to retry (503), not blamed.
 A compile that overruns cannot be stopped, but llguidance's limits
 (text/grammar_compiler.py) bound how long it can go on.
 """
@@ -24,17 +24,21 @@ from text.grammar_compiler import GrammarCompiler, GrammarError
 from text.tokenizer import Tokenizer
 
 MAX_VERDICTS = 1024
+MAX_QUEUE_WAIT_S = 10.0  # behind other grammars; then 503 (retry), never a false 400
 _POLL_S = 0.02
 
 
 class _Compile:
-    """One compile on the grammar thread; ``started`` is when it began running."""
+    """One compile on the grammar thread: ``picked`` when the thread took it, ``started``
+    when the compile itself began (after the one-time tokenizer build)."""
 
     def __init__(self, compiler: GrammarCompiler, spec: GrammarSpec):
         self.compiler, self.spec = compiler, spec
+        self.picked: float | None = None
         self.started: float | None = None
 
     def run(self) -> str | None:
+        self.picked = time.monotonic()
         self.compiler.ll_tokenizer  # built once per process, not counted against the limit
         self.started = time.monotonic()
         try:
@@ -83,7 +87,7 @@ class GrammarChecker:
             if job.started is not None and now - job.started > self.timeout_s:
                 return (f"the grammar did not compile within {self.timeout_s:g} s; make "
                         f"it smaller or simpler")
-            if job.started is None and now - queued_at > self.timeout_s:
+            if job.picked is None and now - queued_at > MAX_QUEUE_WAIT_S:
                 future.cancel()
                 raise unavailable("the grammar compiler is busy; retry later",
                                   "grammar_compiler_busy")

@@ -107,9 +107,9 @@ def _tools(body: dict, chat: bool) -> StructuredRequest | None:
     if not chat:  # completions have no tools; their defaults stay accepted
         tools, choice = body.get("tools"), body.get("tool_choice")
         if tools is not None and not (isinstance(tools, list) and not tools):
-            raise bad("'tools' is only served on /v1/chat/completions", "tools")
+            raise bad("'tools' is only served on chat completions", "tools")
         if choice is not None and choice not in ("none", "auto"):
-            raise bad("'tool_choice' is only served on /v1/chat/completions", "tool_choice")
+            raise bad("'tool_choice' is only served on chat completions", "tool_choice")
         return None
     made = tool_call_format(body)
     if made is None:

@@ -115,6 +115,23 @@ def test_request_grammar_accepts_validates_rolls_back_and_replays(manager,
         assert allowed(bitmask) == list(EOS)
 
 
+def test_draft_masks_follow_the_accepted_drafts_and_leave_the_matcher(manager,
+                                                                      smollm_tokenizer):
+    spec = StructuredOutputsParams(choice=["cat", "car"]).spec
+    manager.validate(spec)
+    grammar = RequestGrammar("d", manager.cache.get(spec), [], EOS)
+    assert grammar.is_ready
+    c, a = (smollm_tokenizer.encode(x, add_special_tokens=False)[0] for x in ("c", "a"))
+    wrong = smollm_tokenizer.encode("x", add_special_tokens=False)[0]
+    bitmask = allocate_bitmask(4, VOCAB)
+    assert grammar.fill_drafts(bitmask, 0, [c, a, wrong]) == 2
+    assert c in allowed(bitmask[0:1]) and a in allowed(bitmask[1:2])
+    texts = {smollm_tokenizer.decode([t]) for t in allowed(bitmask[2:3])}
+    assert texts and texts <= {"t", "r"}
+    assert len(allowed(bitmask[3:4])) == VOCAB  # past the rejected draft: untouched
+    assert grammar.validate([c, a]) == 2  # the matcher is back at the start
+
+
 def test_validate_raises_for_a_bad_grammar_and_caches_good_ones(manager):
     with pytest.raises(GrammarError):
         manager.validate(StructuredOutputsParams(regex="(unclosed").spec)

@@ -93,6 +93,20 @@ class RequestGrammar:
             return 0
         return self.matcher.validate_tokens(list(token_ids))
 
+    def fill_drafts(self, bitmask: np.ndarray, row: int, draft_ids: Sequence[int]) -> int:
+        """Speculative decoding: the masks of the next ``len(draft_ids) + 1`` positions
+        into rows ``row``, ``row + 1``, ... (the position after each draft the grammar
+        accepts; rows past the first rejected draft are left as they are, since the
+        verifier rejects there anyway). The matcher ends where it began; returns how
+        many drafts the grammar accepts."""
+        num_valid = self.validate(draft_ids)
+        self.fill(bitmask, row)
+        for i in range(num_valid):
+            self.matcher.consume_token(draft_ids[i])
+            self.fill(bitmask, row + 1 + i)
+        self.rollback(num_valid)
+        return num_valid
+
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens."""
         if num_tokens and self.matcher is not None and not self.failed:
