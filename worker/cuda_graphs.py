@@ -18,6 +18,11 @@ fixed pointers and fixed grids, so:
 
 Only the Triton backend on CUDA is captured; batches with prefill chunks, or larger
 than the largest size, run eagerly. ``worker.enforce_eager: true`` turns graphs off.
+
+Memory: the graphs' private pool (activations of the largest size, reused by the
+smaller ones, plus every size's output) lives as long as the graphs. The KV pool is
+sized after a profiled capture on a scratch cache (worker/gpu_memory.py), so that
+memory is inside ``gpu_memory_utilization``; ``capture()`` measures it each time.
 """
 from __future__ import annotations
 
@@ -72,6 +77,15 @@ class DecodeCudaGraphs:
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.memory_bytes = 0  # what capture() kept reserved (graph pool + outputs)
+
+    @classmethod
+    def for_runner(cls, runner, kv_caches: list[torch.Tensor]) -> "DecodeCudaGraphs":
+        """Graphs for every size up to the runner's max_num_seqs over ``kv_caches``."""
+        max_blocks = -(-runner.max_model_len // runner.block_size) + 1
+        return cls(runner.model, kv_caches, capture_sizes(runner.scheduler_config.max_num_seqs),
+                   max_blocks, runner.attention_backend, runner.arch.sliding_window,
+                   runner.max_model_len)
 
     def _context(self, size: int) -> AttentionContext:
         num_splits = 1
@@ -90,16 +104,23 @@ class DecodeCudaGraphs:
                           self._context(size))
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self) -> int:
         """Capture every size, largest first, all sharing one memory pool. The buffers
-        hold padding only (slots -1, lengths 0), so capturing touches no KV block."""
+        hold padding only (slots -1, lengths 0), so capturing touches no KV block.
+
+        Returns (and keeps in ``memory_bytes``) the memory the graphs hold on to: the
+        allocator's reserve after capture minus before, both taken with its cache
+        emptied (the warm-ups' activations are transient and go back)."""
         assert self.backend.device.type == "cuda", "CUDA graphs need a CUDA device"
         t0 = time.perf_counter()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        reserved_before = torch.cuda.memory_reserved()
         pool = torch.cuda.graph_pool_handle()
+        # one side stream for every warm-up (Triton compiles, cuBLAS picks its kernels,
+        # as torch.cuda.graph requires): cuBLAS keeps a workspace per stream
+        side = torch.cuda.Stream()
         for size in reversed(self.sizes):
-            # warm up on a side stream (Triton compiles, cuBLAS picks its kernels), as
-            # torch.cuda.graph requires
-            side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
                 self.forward(size)
@@ -109,8 +130,12 @@ class DecodeCudaGraphs:
                 self.outputs[size] = self.forward(size)
             self.graphs[size] = graph
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        self.memory_bytes = torch.cuda.memory_reserved() - reserved_before
         log.info("cuda graphs captured", sizes=len(self.sizes), largest=self.sizes[-1],
+                 memory_mib=round(self.memory_bytes / 2 ** 20, 1),
                  seconds=round(time.perf_counter() - t0, 2))
+        return self.memory_bytes
 
     def can_run(self, batch: InputBatch) -> bool:
         """A decode-only Triton batch that fits a captured size and the table width."""

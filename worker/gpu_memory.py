@@ -7,6 +7,8 @@ cache whatever ``memory.gpu_memory_utilization`` leaves.
       = peak torch allocation of the profiling step (weights + activations + logits)
       + memory outside torch's allocator (CUDA context, cuBLAS workspaces, other
         processes on the same GPU)
+      + CUDA graphs (when they will be captured: measured by capturing them once on a
+        two-block scratch cache, then freed; the real capture is measured again)
       + KV cache  <- what is left
 
 The profiling step schedules ``max_num_batched_tokens`` prompt tokens, split into
@@ -27,9 +29,10 @@ log = get_logger(__name__)
 
 
 def kv_cache_budget(total_bytes: int, utilization: float, peak_torch_bytes: int,
-                    non_torch_bytes: int) -> int:
+                    non_torch_bytes: int, graph_bytes: int = 0) -> int:
     """Bytes the KV cache may take (0 when the model alone exceeds the budget)."""
-    return max(0, int(total_bytes * utilization) - peak_torch_bytes - non_torch_bytes)
+    return max(0, int(total_bytes * utilization) - peak_torch_bytes - non_torch_bytes
+               - graph_bytes)
 
 
 def profile_prompt_lengths(num_tokens: int, max_model_len: int, max_num_seqs: int) -> list[int]:
@@ -72,9 +75,24 @@ def run_profile_step(runner, max_num_batched_tokens: int, max_num_seqs: int) -> 
     return scratch_blocks * spec.bytes_per_block
 
 
+def profile_graph_bytes(runner) -> int:
+    """Capture the runner's decode graphs on a two-block scratch cache (their padding
+    rows read and write no block), free them; the memory they held."""
+    from worker.cuda_graphs import DecodeCudaGraphs
+    spec = KVCacheSpec.for_model(runner.arch, runner.block_size, runner.dtype)
+    graphs = DecodeCudaGraphs.for_runner(runner, allocate_kv_cache(spec, 2, runner.device))
+    graph_bytes = graphs.capture()
+    del graphs
+    torch.cuda.synchronize(runner.device)
+    torch.cuda.empty_cache()
+    return graph_bytes
+
+
 def profile_kv_cache_bytes(runner, max_num_batched_tokens: int, max_num_seqs: int,
-                           utilization: float) -> int:
-    """Run the profiling step on ``runner`` (a CUDA ModelRunner); the KV budget in bytes."""
+                           utilization: float, with_graphs: bool = False
+                           ) -> tuple[int, int]:
+    """Run the profiling step on ``runner`` (a CUDA ModelRunner), and a profiled graph
+    capture when ``with_graphs``; the KV budget and the graph reserve, in bytes."""
     device = runner.device
     assert device.type == "cuda", "memory profiling is for CUDA devices"
     torch.cuda.synchronize(device)
@@ -83,12 +101,14 @@ def profile_kv_cache_bytes(runner, max_num_batched_tokens: int, max_num_seqs: in
     scratch_bytes = run_profile_step(runner, max_num_batched_tokens, max_num_seqs)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - scratch_bytes
+    torch.cuda.empty_cache()  # the step's activations and scratch cache go back
+    graph_bytes = profile_graph_bytes(runner) if with_graphs else 0
     free, total = torch.cuda.mem_get_info(device)
     non_torch = (total - free) - torch.cuda.memory_reserved(device)
-    torch.cuda.empty_cache()  # the step's activations and scratch cache go back
-    budget = kv_cache_budget(total, utilization, peak, non_torch)
+    budget = kv_cache_budget(total, utilization, peak, non_torch, graph_bytes)
     log.info("gpu memory profiled", total_gib=round(total / 2 ** 30, 2),
              utilization=utilization, peak_torch_gib=round(peak / 2 ** 30, 3),
              non_torch_gib=round(non_torch / 2 ** 30, 3),
+             cuda_graph_reserve_gib=round(graph_bytes / 2 ** 30, 3),
              kv_cache_gib=round(budget / 2 ** 30, 3))
-    return budget
+    return budget, graph_bytes

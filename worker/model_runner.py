@@ -77,6 +77,7 @@ class ModelRunner:
                                                          self.eos_token_ids)
         self.attention_backend = self._pick_attention_backend()
         self.cuda_graphs = None  # DecodeCudaGraphs once captured
+        self.graph_reserve_bytes = 0  # what the KV budget left for them (profiled)
 
     def _pick_attention_backend(self) -> AttentionBackend:
         from kernels import cpu_extension, cpu_paged_attention
@@ -108,17 +109,18 @@ class ModelRunner:
             return self.memory_config.kv_cache_bytes, "memory.kv_cache_bytes"
         from worker.gpu_memory import profile_kv_cache_bytes
         sched = self.scheduler_config
-        return (profile_kv_cache_bytes(self, sched.max_num_batched_tokens, sched.max_num_seqs,
-                                       self.memory_config.gpu_memory_utilization),
-                "memory.gpu_memory_utilization")
+        budget, self.graph_reserve_bytes = profile_kv_cache_bytes(
+            self, sched.max_num_batched_tokens, sched.max_num_seqs,
+            self.memory_config.gpu_memory_utilization, with_graphs=self._wants_cuda_graphs())
+        return budget, "memory.gpu_memory_utilization"
 
     def initialize_kv_cache(self) -> int:
         """Allocate the KV pool from the memory budget; returns the number of blocks.
 
-        CPU: memory.kv_cache_bytes. CUDA: what a profiling step at the largest batch
-        leaves of memory.gpu_memory_utilization (worker/gpu_memory.py); then the decode
-        CUDA graphs are captured unless worker.enforce_eager. memory.num_blocks, when
-        set, overrides either budget.
+        CPU: memory.kv_cache_bytes. CUDA: what a profiling step at the largest batch and
+        a profiled graph capture leave of memory.gpu_memory_utilization
+        (worker/gpu_memory.py); then the decode CUDA graphs are captured unless
+        worker.enforce_eager. memory.num_blocks, when set, overrides either budget.
         """
         spec = KVCacheSpec.for_model(self.arch, self.block_size, self.dtype)
         num_blocks, key = self.memory_config.num_blocks, "memory.num_blocks"
@@ -139,16 +141,22 @@ class ModelRunner:
         self._maybe_capture_cuda_graphs()
         return num_blocks
 
+    def _wants_cuda_graphs(self) -> bool:
+        return (self.device.type == "cuda" and not self.worker_config.enforce_eager
+                and self.attention_backend.is_triton)
+
     def _maybe_capture_cuda_graphs(self) -> None:
-        if (self.device.type != "cuda" or self.worker_config.enforce_eager
-                or not self.attention_backend.is_triton):
+        if not self._wants_cuda_graphs():
             return
-        from worker.cuda_graphs import DecodeCudaGraphs, capture_sizes
-        max_blocks = -(-self.max_model_len // self.block_size) + 1
-        self.cuda_graphs = DecodeCudaGraphs(
-            self.model, self.kv_caches, capture_sizes(self.scheduler_config.max_num_seqs),
-            max_blocks, self.attention_backend, self.arch.sliding_window, self.max_model_len)
-        self.cuda_graphs.capture()
+        from worker.cuda_graphs import DecodeCudaGraphs
+        self.cuda_graphs = DecodeCudaGraphs.for_runner(self, self.kv_caches)
+        used = self.cuda_graphs.capture()
+        log.info("cuda graph memory", used_mib=round(used / 2 ** 20, 1),
+                 reserved_in_budget_mib=round(self.graph_reserve_bytes / 2 ** 20, 1))
+        if self.graph_reserve_bytes and used > self.graph_reserve_bytes:
+            log.warning("cuda graphs took more memory than the KV budget reserved",
+                        used_mib=round(used / 2 ** 20, 1),
+                        reserved_mib=round(self.graph_reserve_bytes / 2 ** 20, 1))
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -159,7 +167,8 @@ class ModelRunner:
                 req_id=new.req_id, token_ids=list(new.token_ids),
                 num_prompt_tokens=new.num_prompt_tokens, sampling_params=p,
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
-                generator=make_generator(p.seed, new.num_output_tokens, self.arch.vocab_size))
+                generator=make_generator(p.seed, new.num_output_tokens, self.arch.vocab_size,
+                                         self.device))
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
@@ -172,11 +181,29 @@ class ModelRunner:
             return self.cuda_graphs.run(batch)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
 
+    def synchronize(self) -> None:
+        """Wait for the device, so a wall-clock split of the step is honest on CUDA."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def sample(self, states: list[CachedRequestState], logits: torch.Tensor
+               ) -> tuple[list[int], list]:
+        """One token per state from its row of ``logits``, sampled on the logits'
+        device; only the ids and any requested logprobs cross to the host."""
+        md = SamplingMetadata.build(
+            [s.sampling_params for s in states], [s.generator for s in states],
+            [s.prompt_token_ids for s in states], [s.output_token_ids for s in states],
+            self.eos_token_ids, logits.device)
+        tokens, logprobs = self.sampler(logits, md)
+        return tokens.tolist(), logprobs
+
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; returns the tokens sampled for requests that reached their end.
 
-        ``last_timing`` then holds where the step's time went (CPU wall clock)."""
+        ``last_timing`` then holds where the step's time went (wall clock; on CUDA the
+        device is synchronised after the forward pass, so sampling is not billed for it).
+        """
         t0 = time.perf_counter()
         timing = self.last_timing = StepTiming()
         self._update_states(so)
@@ -196,22 +223,17 @@ class ModelRunner:
         hidden = self.forward(batch)
         for state, n in zip(states, (so.num_scheduled_tokens[r] for r in req_ids)):
             state.num_computed_tokens += n
-        if not batch.sampling_states:
-            timing.forward_seconds = time.perf_counter() - t1
-            return ModelRunnerOutput(
-                structured_output=self.structured_output.take_report(None))
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        sampling = batch.sampling_states
+        logits = self.model.compute_logits(hidden[batch.logits_indices]) if sampling else None
+        self.synchronize()
         t2 = time.perf_counter()
         timing.forward_seconds = t2 - t1
-        sampling = batch.sampling_states
+        if not sampling:
+            return ModelRunnerOutput(
+                structured_output=self.structured_output.take_report(None))
         if grammar_step is not None:  # masks applied; rows still compiling deferred
             logits, sampling = grammar_step.apply(logits, sampling)
-        md = SamplingMetadata.build(
-            [s.sampling_params for s in sampling], [s.generator for s in sampling],
-            [s.prompt_token_ids for s in sampling] , [s.output_token_ids for s in sampling],
-            self.eos_token_ids)
-        tokens, logprobs = self.sampler(logits.cpu(), md)
-        token_list = tokens.tolist()
+        token_list, logprobs = self.sample(sampling, logits)
         for state, token in zip(sampling, token_list):
             state.token_ids.append(token)
         if grammar_step is not None:

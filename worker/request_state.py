@@ -39,18 +39,21 @@ class CachedRequestState:
         return self.token_ids[:self.num_prompt_tokens]
 
 
-def make_generator(seed: int | None, num_draws: int, vocab_size: int) -> torch.Generator | None:
-    """A request's own generator, fast-forwarded past ``num_draws`` earlier samples.
+def make_generator(seed: int | None, num_draws: int, vocab_size: int,
+                   device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A request's own generator on ``device`` (where its logits are sampled),
+    fast-forwarded past ``num_draws`` earlier samples.
 
     Each sampling step consumes one exponential draw per vocabulary entry, so a request
     resumed after preemption replays those draws and continues its random stream
-    exactly where it stopped.
+    exactly where it stopped (a CUDA generator's stream differs from a CPU one's, so
+    the same seed gives other tokens on another device type).
     """
     if seed is None:
         return None
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed)
     if num_draws:
-        scratch = torch.empty(vocab_size, dtype=torch.float32)
+        scratch = torch.empty(vocab_size, dtype=torch.float32, device=device)
         for _ in range(num_draws):
             scratch.exponential_(generator=gen)
     return gen

@@ -6,17 +6,27 @@ row from its own generator, so its tokens do not depend on what else is in the b
 """
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 
 from engine_core.outputs import TokenLogprobs
 from worker.sampling_metadata import SamplingMetadata
 
 
-def _token_counts(rows: list[list[int]], vocab_size: int) -> torch.Tensor:
-    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32)
-    for i, ids in enumerate(rows):
-        if ids:
-            counts[i].index_add_(0, torch.tensor(ids), torch.ones(len(ids)))
+def _token_counts(rows: list[list[int]], vocab_size: int,
+                  device: torch.device) -> torch.Tensor:
+    """``[len(rows), vocab]`` float32 occurrence counts, built with one scatter on
+    ``device`` (counts are small integers: exact in any summation order)."""
+    counts = torch.zeros(len(rows), vocab_size, dtype=torch.float32, device=device)
+    lengths = [len(ids) for ids in rows]
+    total = sum(lengths)
+    if total:
+        row_of = np.repeat(np.arange(len(rows), dtype=np.int64), lengths)
+        ids = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=total)
+        flat = torch.from_numpy(row_of * vocab_size + ids).to(device)
+        counts.view(-1).index_add_(0, flat, torch.ones(total, device=device))
     return counts
 
 
@@ -24,10 +34,10 @@ def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     """vLLM's semantics: repetition over prompt + output, presence/frequency over output."""
     if md.output_token_ids is None:
         return logits
-    vocab = logits.shape[-1]
-    out_counts = _token_counts(md.output_token_ids, vocab)
+    vocab, device = logits.shape[-1], logits.device
+    out_counts = _token_counts(md.output_token_ids, vocab, device)
     if md.repetition_penalty is not None:
-        seen = (out_counts + _token_counts(md.prompt_token_ids, vocab)) > 0
+        seen = (out_counts + _token_counts(md.prompt_token_ids, vocab, device)) > 0
         rep = md.repetition_penalty[:, None].expand_as(logits)
         penalised = torch.where(logits > 0, logits / rep, logits * rep)
         logits = torch.where(seen, penalised, logits)
@@ -50,7 +60,7 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if md.top_k is not None:
         k = torch.where(md.top_k > 0, md.top_k, logits.shape[-1])
-        drop |= torch.arange(logits.shape[-1])[None, :] >= k[:, None]
+        drop |= torch.arange(logits.shape[-1], device=logits.device)[None, :] >= k[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     if md.top_p is not None:
         probs = sorted_logits.softmax(-1)
@@ -61,8 +71,8 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch
     return logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
-def _exponential_noise(shape, md: SamplingMetadata) -> torch.Tensor:
-    noise = torch.empty(shape, dtype=torch.float32)
+def _exponential_noise(shape, md: SamplingMetadata, device: torch.device) -> torch.Tensor:
+    noise = torch.empty(shape, dtype=torch.float32, device=device)
     if len(md.generators) < shape[0]:
         noise.exponential_()
     for row, gen in md.generators.items():
@@ -71,25 +81,37 @@ def _exponential_noise(shape, md: SamplingMetadata) -> torch.Tensor:
 
 
 def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, md: SamplingMetadata):
-    logprobs = raw.log_softmax(-1)
-    top_vals, top_ids = logprobs.topk(md.max_num_logprobs, dim=-1) if md.max_num_logprobs \
-        else (None, None)
-    sampled = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-    ranks = (logprobs > sampled[:, None]).sum(-1) + 1
-    result: list[TokenLogprobs | None] = []
-    for i, k in enumerate(md.num_logprobs):
-        if k is None:
-            result.append(None)
-            continue
-        result.append(TokenLogprobs(
-            token_id=int(tokens[i]), logprob=float(sampled[i]), rank=int(ranks[i]),
-            top_token_ids=top_ids[i, :k].tolist() if k else [],
-            top_logprobs=top_vals[i, :k].tolist() if k else []))
+    """Logprobs of the rows that asked for them, computed on the logits' device and
+    brought to the host in one copy::
+
+        packed[r] = [token id, its logprob, its rank, top ids (max k), top logprobs]
+
+    (ids and ranks are exact in float32: vocabularies stay below 2^24)."""
+    rows = [i for i, k in enumerate(md.num_logprobs) if k is not None]
+    index = torch.tensor(rows, dtype=torch.int64, device=raw.device)
+    logprobs = raw.index_select(0, index).log_softmax(-1)
+    chosen = tokens.index_select(0, index)
+    sampled = logprobs.gather(-1, chosen[:, None])
+    ranks = (logprobs > sampled).sum(-1, keepdim=True) + 1
+    parts = [chosen[:, None].float(), sampled, ranks.float()]
+    top = md.max_num_logprobs or 0
+    if top:
+        top_vals, top_ids = logprobs.topk(top, dim=-1)
+        parts += [top_ids.float(), top_vals]
+    packed = torch.cat(parts, dim=1).cpu()
+    result: list[TokenLogprobs | None] = [None] * len(md.num_logprobs)
+    for r, i in enumerate(rows):
+        k, row = md.num_logprobs[i], packed[r]
+        result[i] = TokenLogprobs(
+            token_id=int(row[0]), logprob=float(row[1]), rank=int(row[2]),
+            top_token_ids=[int(t) for t in row[3:3 + k].tolist()],
+            top_logprobs=row[3 + top:3 + top + k].tolist())
     return result
 
 
 class Sampler:
-    """Turns a step's float32 logits ``[B, vocab]`` into one token per row."""
+    """Turns a step's float32 logits ``[B, vocab]`` into one token per row, on the
+    logits' device (the metadata's tensors and generators must live there too)."""
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata
                  ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
@@ -105,7 +127,7 @@ class Sampler:
             temp = torch.where(md.temperature > 0, md.temperature, 1.0)
             scaled = apply_top_k_top_p_min_p(logits / temp[:, None], md)
             probs = scaled.softmax(-1)
-            drawn = (probs / _exponential_noise(probs.shape, md)).argmax(-1)
+            drawn = (probs / _exponential_noise(probs.shape, md, probs.device)).argmax(-1)
             tokens = torch.where(md.temperature > 0, drawn, greedy)
         logprobs = _logprobs(raw, tokens, md) if md.max_num_logprobs is not None or any(
             k is not None for k in md.num_logprobs) else [None] * len(md.num_logprobs)

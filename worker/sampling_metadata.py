@@ -1,4 +1,5 @@
-"""Per-step sampling inputs, gathered into tensors once for the whole batch."""
+"""Per-step sampling inputs, gathered into tensors once for the whole batch, on the
+device that holds the step's logits."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ class SamplingMetadata:
     top_k: torch.Tensor | None  # [B] int64, 0 = off
     top_p: torch.Tensor | None  # [B] float32, 1 = off
     min_p: torch.Tensor | None  # [B] float32, 0 = off
-    generators: dict[int, torch.Generator]  # row → generator of a seeded request
+    generators: dict[int, torch.Generator]  # row → a seeded request's, on the device
     presence_penalty: torch.Tensor | None  # [B]
     frequency_penalty: torch.Tensor | None  # [B]
     repetition_penalty: torch.Tensor | None  # [B]
@@ -35,8 +36,11 @@ class SamplingMetadata:
     def build(cls, params: list[WorkerSamplingParams],
               generators: list[torch.Generator | None],
               prompt_ids: list[list[int]], output_ids: list[list[int]],
-              eos_token_ids: tuple[int, ...]) -> "SamplingMetadata":
-        """Gather the rows' parameters; ``output_ids[i]`` are the tokens sampled so far."""
+              eos_token_ids: tuple[int, ...],
+              device: torch.device | str = "cpu") -> "SamplingMetadata":
+        """Gather the rows' parameters; ``output_ids[i]`` are the tokens sampled so far.
+
+        Tensors go to ``device``; ``generators`` must already live there."""
         temps = [p.temperature for p in params]
         any_penalty = any(p.has_penalties for p in params)
         min_tokens_stop_ids = {}
@@ -52,10 +56,11 @@ class SamplingMetadata:
 
         def column(attr, off, dtype=torch.float32):
             values = [getattr(p, attr) for p in params]
-            return None if all(v == off for v in values) else torch.tensor(values, dtype=dtype)
+            return None if all(v == off for v in values) else torch.tensor(
+                values, dtype=dtype, device=device)
 
         return cls(
-            temperature=torch.tensor(temps, dtype=torch.float32),
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
             all_greedy=all(t == 0.0 for t in temps),
             top_k=column("top_k", 0, torch.int64),
             top_p=column("top_p", 1.0),

@@ -37,40 +37,62 @@ async def _arrivals(requests: list[BenchRequest], spec: LoadSpec):
             await asyncio.sleep(rng.gammavariate(shape, 1.0 / (spec.request_rate * shape)))
 
 
+# A pooled keep-alive connection the server already closed fails before any answer
+# (some servers, llama.cpp's cpp-httplib among them, close them after a few requests):
+# that is the client's connection handling, not a server failure, so the request is
+# sent again on a fresh connection.
+STALE_CONNECTION_RETRIES = 3
+
+
 async def _one(session, url: str, model: str, req: BenchRequest, ignore_eos: bool,
                extra: dict) -> RequestRecord:
+    import aiohttp
     record = RequestRecord(prompt_len=req.prompt_len)
     body = {"model": model, "prompt": req.prompt, "max_tokens": req.output_len,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True},
             **({"ignore_eos": True} if ignore_eos else {}), **extra}
     start = time.perf_counter()
+    for attempt in range(STALE_CONNECTION_RETRIES + 1):
+        answered = []  # set once the server sent a status line: no retry after that
+        try:
+            return await _stream(session, url, body, record, start, answered)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+            if answered or attempt == STALE_CONNECTION_RETRIES:
+                record.error = f"{type(e).__name__}: {e}"[:200]
+                return record
+            record.num_retries += 1
+        except Exception as e:  # a benchmark records failures, it does not stop on them
+            record.error = f"{type(e).__name__}: {e}"[:200]
+            return record
+    return record
+
+
+async def _stream(session, url: str, body: dict, record: RequestRecord, start: float,
+                  answered: list) -> RequestRecord:
     last = start
     chunks = 0
-    try:
-        async with session.post(url, json=body) as resp:
-            if resp.status != 200:
-                record.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+    async with session.post(url, json=body) as resp:
+        answered.append(resp.status)
+        if resp.status != 200:
+            record.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+            return record
+        async for line in resp.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            payload = json.loads(line[6:])
+            if payload.get("error"):
+                record.error = str(payload["error"])[:200]
                 return record
-            async for line in resp.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                payload = json.loads(line[6:])
-                if payload.get("error"):
-                    record.error = str(payload["error"])[:200]
-                    return record
-                if payload.get("usage"):
-                    record.output_len = payload["usage"]["completion_tokens"]
-                if payload.get("choices") and payload["choices"][0].get("text"):
-                    now = time.perf_counter()
-                    if chunks == 0:
-                        record.ttft = now - start
-                    else:
-                        record.itl.append(now - last)
-                    last = now
-                    chunks += 1
-    except Exception as e:  # a benchmark records failures, it does not stop on them
-        record.error = f"{type(e).__name__}: {e}"[:200]
-        return record
+            if payload.get("usage"):
+                record.output_len = payload["usage"]["completion_tokens"]
+            if payload.get("choices") and payload["choices"][0].get("text"):
+                now = time.perf_counter()
+                if chunks == 0:
+                    record.ttft = now - start
+                else:
+                    record.itl.append(now - last)
+                last = now
+                chunks += 1
     record.e2e = time.perf_counter() - start
     record.output_len = record.output_len or chunks
     record.success = chunks > 0

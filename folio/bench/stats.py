@@ -18,6 +18,7 @@ class RequestRecord:
     ttft: float = 0.0
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)  # gaps between streamed chunks
+    num_retries: int = 0  # sends again after a stale pooled connection (client side)
 
     @property
     def tpot(self) -> float | None:
@@ -63,6 +64,7 @@ def summarize(records: list[RequestRecord], duration: float,
         "num_requests": len(records), "completed": len(ok),
         "failed": len(records) - len(ok),
         "errors": sorted({r.error for r in records if r.error})[:5],
+        "client_retries": sum(r.num_retries for r in records),
         "request_throughput": len(ok) / duration,
         "input_throughput": sum(r.prompt_len for r in ok) / duration,
         "output_throughput": sum(r.output_len for r in ok) / duration,

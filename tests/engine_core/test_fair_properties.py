@@ -47,16 +47,4 @@ class FairHarness(Harness):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=fair_configs(), burst=st.lists(fair_add, max_size=8), script=fair_ops)
 def test_fair_random_workloads_keep_invariants_and_finish(cfg, burst, script):
-    harness = FairHarness(cfg)
-    for op in burst:
-        harness.add_op(op)
-    for op in script:
-        if op[0] == "add":
-            harness.add_op(op)
-        elif op[0] == "abort":
-            harness.abort(op[1])
-        else:
-            for _ in range(op[1]):
-                harness.step()
-    harness.drain()
-    harness.check_final()
+    FairHarness(cfg).run(burst, script)

@@ -55,6 +55,25 @@ class Harness:
         self.finish: dict[str, FinishReason] = {}
         self.parents: list[str] = []
 
+    def add_op(self, op):
+        self.add(*op[1:])
+
+    def run(self, burst, script):
+        """Requests of ``burst`` arrive together (they compete for the pool), then the
+        ``script``'s adds, aborts and steps; then drain and check the end state."""
+        for op in burst:
+            self.add_op(op)
+        for op in script:
+            if op[0] == "add":
+                self.add_op(op)
+            elif op[0] == "abort":
+                self.abort(op[1])
+            else:
+                for _ in range(op[1]):
+                    self.step()
+        self.drain()
+        self.check_final()
+
     def add(self, length, max_tokens, n, salt, priority, variant, **request_kw):
         req_id = f"q{len(self.parents)}"
         self.parents.append(req_id)
@@ -133,16 +152,4 @@ class Harness:
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=configs(), burst=st.lists(add_op, max_size=6), script=ops)
 def test_random_workloads_keep_invariants_and_finish(cfg, burst, script):
-    harness = Harness(cfg)
-    for op in burst:  # requests arriving together compete for the pool
-        harness.add(*op[1:])
-    for op in script:
-        if op[0] == "add":
-            harness.add(*op[1:])
-        elif op[0] == "abort":
-            harness.abort(op[1])
-        else:
-            for _ in range(op[1]):
-                harness.step()
-    harness.drain()
-    harness.check_final()
+    Harness(cfg).run(burst, script)

@@ -20,24 +20,6 @@ STREAM = {"model": MODEL, "prompt": "Count with me", "max_tokens": 900, "ignore_
 NUM_STREAMS = 20
 
 
-@pytest.fixture
-def start_stack(tiny_llama_dir, default_model_path, tmp_path):
-    started = []
-
-    def start(**sections) -> ServeProcess:
-        config = write_config(tmp_path / "folio.yaml", str(tiny_llama_dir),
-                              str(default_model_path), **sections)
-        serve = ServeProcess(config, tmp_path)
-        started.append(serve)
-        serve.wait_ready()
-        return serve
-
-    yield start
-    for serve in started:  # never leave a stack behind, whatever the test did
-        if serve.proc.poll() is None:
-            serve.stop()
-
-
 async def open_streams(session, serve: ServeProcess, body: dict,
                        n: int = NUM_STREAMS) -> list:
     """``n`` concurrent streaming requests, each past its first chunk."""

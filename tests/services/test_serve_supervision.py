@@ -8,34 +8,15 @@ import time
 from pathlib import Path
 
 import aiohttp
-import pytest
 
 from observability.process_stats import command_line, descendants, is_running
 from services.transport import Endpoint, probe_health
-from tests.services.serve_process import ServeProcess, write_config
+from tests.services.serve_process import ServeProcess
 from tests.services.test_serve_e2e import MODEL, sse_payloads
 from tests.services.test_serve_lifecycle import assert_nothing_left, open_streams
 
-STREAM = {"model": MODEL, "prompt": "Count with me", "max_tokens": 120,
+STREAM = {"model": MODEL, "prompt": "Count with me", "max_tokens": 60,
           "ignore_eos": True, "stream": True}
-
-
-@pytest.fixture
-def stack(tiny_llama_dir, default_model_path, tmp_path):
-    started = []
-
-    def start(**sections) -> ServeProcess:
-        config = write_config(tmp_path / "folio.yaml", str(tiny_llama_dir),
-                              str(default_model_path), **sections)
-        serve = ServeProcess(config, tmp_path)
-        started.append(serve)
-        serve.wait_ready()
-        return serve
-
-    yield start
-    for serve in started:
-        if serve.proc.poll() is None:
-            serve.stop()
 
 
 def socket_dir_of(serve: ServeProcess) -> Path:
@@ -73,8 +54,8 @@ async def async_wait_for(predicate, timeout: float, what: str) -> None:
         await asyncio.sleep(0.1)
 
 
-def test_sighup_drains_streams_and_removes_the_socket_folder(stack):
-    serve = stack()
+def test_sighup_drains_streams_and_removes_the_socket_folder(start_stack):
+    serve = start_stack(services={"drain_timeout_s": 90})
     folder = socket_dir_of(serve)
     assert folder.is_dir()
 
@@ -93,8 +74,8 @@ def test_sighup_drains_streams_and_removes_the_socket_folder(stack):
     assert_nothing_left(serve)
 
 
-def test_dead_api_process_is_restarted_while_the_other_keeps_serving(stack):
-    serve = stack(services={"num_api_servers": 2, "api_restart_budget": 3})
+def test_dead_api_process_is_restarted_while_the_other_keeps_serving(start_stack):
+    serve = start_stack(services={"num_api_servers": 2, "api_restart_budget": 3})
     folder = socket_dir_of(serve)
     before = api_pids(serve)
     assert sorted(before) == [0, 1]
@@ -139,8 +120,8 @@ def test_dead_api_process_is_restarted_while_the_other_keeps_serving(stack):
     assert not folder.exists()
 
 
-def test_spent_restart_budget_stops_the_stack(stack):
-    serve = stack(services={"api_restart_budget": 1})
+def test_spent_restart_budget_stops_the_stack(start_stack):
+    serve = start_stack(services={"api_restart_budget": 1})
     folder = socket_dir_of(serve)
     first = api_pids(serve)[0]
     os.kill(first, signal.SIGKILL)
@@ -152,8 +133,8 @@ def test_spent_restart_budget_stops_the_stack(stack):
     assert_nothing_left(serve)
 
 
-def test_killed_supervisor_leaves_no_socket_folder(stack):
-    serve = stack()
+def test_killed_supervisor_leaves_no_socket_folder(start_stack):
+    serve = start_stack()
     folder = socket_dir_of(serve)
     children = descendants(serve.proc.pid)
     serve.proc.kill()

@@ -60,6 +60,9 @@ def test_kv_cache_budget_arithmetic():
     assert kv_cache_budget(141 * gib, 0.9, 3 * gib, gib // 2) == int(141 * gib * 0.9) \
         - 3 * gib - gib // 2
     assert kv_cache_budget(8 * gib, 0.5, 5 * gib, 0) == 0  # the model alone is too big
+    # CUDA graphs are captured after the pool is allocated: their memory comes out of it
+    assert kv_cache_budget(141 * gib, 0.97, 3 * gib, gib // 2, 2 * gib) == \
+        int(141 * gib * 0.97) - 5 * gib - gib // 2
 
 
 def test_profile_prompt_lengths():
@@ -127,6 +130,9 @@ def test_decode_graph_padding_matches_eager(make_tiny_llm, monkeypatch):
         cache_after_eager = [c.clone() for c in runner.kv_caches]
         graphs = DecodeCudaGraphs(runner.model, runner.kv_caches, [1, 4, 8], 5, backend,
                                   None, 64)
+        runner_graphs = DecodeCudaGraphs.for_runner(runner, runner.kv_caches)
+        assert runner_graphs.sizes == capture_sizes(runner.scheduler_config.max_num_seqs)
+        assert runner_graphs.block_tables.shape == (runner_graphs.sizes[-1], 64 // 16 + 1)
         assert graphs.can_run(decode) and not graphs.can_run(prefill)
         size = graphs.fill(decode)
         assert size == 4

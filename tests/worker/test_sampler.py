@@ -1,4 +1,8 @@
-"""The batched sampler: distributions, seeds, penalties, min_tokens, logprobs."""
+"""The batched sampler: distributions, seeds, penalties, min_tokens, logprobs.
+
+Every test runs on the CPU and, where there is one, on a CUDA device: the sampler works
+on the logits' device, with per-request generators there.
+"""
 import math
 
 import pytest
@@ -10,13 +14,23 @@ from worker.sampler import Sampler
 from worker.sampling_metadata import SamplingMetadata
 
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+NO_CUDA = "needs a CUDA device (the GPU check runs these there)"
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason=NO_CUDA))])
+def device(request) -> torch.device:
+    return torch.device(request.param)
 
 
 def sample(logits, params, generators=None, prompts=None, outputs=None, eos=(5,)):
+    """Sample on ``logits``' device; the tokens come back on the host for comparison."""
     b = logits.shape[0]
     md = SamplingMetadata.build(params, generators or [None] * b, prompts or [[]] * b,
-                                outputs or [[]] * b, eos)
-    return Sampler()(logits, md)
+                                outputs or [[]] * b, eos, logits.device)
+    tokens, logprobs = Sampler()(logits, md)
+    assert tokens.device == logits.device
+    return tokens.cpu(), logprobs
 
 
 def expected(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
@@ -42,11 +56,11 @@ def expected(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0):
     dict(temperature=1.0, top_k=3), dict(temperature=1.0, top_p=0.8),
     dict(temperature=0.7, top_k=4, top_p=0.9), dict(temperature=1.0, min_p=0.2),
 ])
-def test_draws_follow_the_processed_distribution(kw):
+def test_draws_follow_the_processed_distribution(kw, device):
     torch.manual_seed(1)
     n = 40_000
     params = [WorkerSamplingParams(**kw)] * n
-    tokens, _ = sample(LOGITS.expand(n, -1).clone(), params)
+    tokens, _ = sample(LOGITS.expand(n, -1).to(device), params)
     freq = torch.bincount(tokens, minlength=len(LOGITS)).double() / n
     want = expected(**kw).double()
     # 5 standard errors of a binomial proportion, per token
@@ -55,46 +69,45 @@ def test_draws_follow_the_processed_distribution(kw):
     assert torch.all(freq[want == 0] == 0)
 
 
-def test_greedy_takes_argmax_and_ignores_noise():
-    logits = torch.randn(8, 100)
+def test_greedy_takes_argmax_and_ignores_noise(device):
+    logits = torch.randn(8, 100, device=device)
     tokens, _ = sample(logits, [WorkerSamplingParams(temperature=0.0)] * 8)
-    assert torch.equal(tokens, logits.argmax(-1))
+    assert torch.equal(tokens, logits.argmax(-1).cpu())
 
 
-def test_seeded_rows_do_not_depend_on_the_batch():
+def test_seeded_rows_do_not_depend_on_the_batch(device):
     torch.manual_seed(0)
-    row = torch.randn(1, 1000)
-    alone = [sample(row, [WorkerSamplingParams(seed=7)], [make_generator(7, 0, 1000)])[0].item()]
-    gen = make_generator(7, 0, 1000)
-    alone += [sample(row, [WorkerSamplingParams(seed=7)], [gen])[0].item() for _ in range(5)]
-    alone = alone[1:]  # five draws from one stream
-    gen = make_generator(7, 0, 1000)
+    row = torch.randn(1, 1000, device=device)
+    gen = make_generator(7, 0, 1000, device)
+    alone = [sample(row, [WorkerSamplingParams(seed=7)], [gen])[0].item() for _ in range(5)]
+    gen = make_generator(7, 0, 1000, device)
     mixed = []
     for step in range(5):
-        others = torch.randn(3 + step, 1000)
+        others = torch.randn(3 + step, 1000, device=device)
         batch = torch.cat([others[:2], row, others[2:]])
         params = [WorkerSamplingParams()] * 2 + [WorkerSamplingParams(seed=7)] + \
             [WorkerSamplingParams(seed=step)] * (batch.shape[0] - 3)
-        gens = [None, None, gen] + [make_generator(step, 0, 1000)] * (batch.shape[0] - 3)
+        gens = [None, None, gen] + [make_generator(step, 0, 1000, device)] * (batch.shape[0] - 3)
         mixed.append(sample(batch, params, gens)[0][2].item())
     assert mixed == alone
 
 
-def test_generator_fast_forward_resumes_the_stream():
-    row = torch.randn(1, 500)
-    gen = make_generator(3, 0, 500)
+def test_generator_fast_forward_resumes_the_stream(device):
+    row = torch.randn(1, 500, device=device)
+    gen = make_generator(3, 0, 500, device)
     stream = [sample(row, [WorkerSamplingParams(seed=3)], [gen])[0].item() for _ in range(6)]
-    resumed = make_generator(3, 4, 500)
+    resumed = make_generator(3, 4, 500, device)
     assert [sample(row, [WorkerSamplingParams(seed=3)], [resumed])[0].item()
             for _ in range(2)] == stream[4:]
 
 
-def test_penalties():
-    logits = torch.tensor([[3.0, 2.0, 1.0, -1.0]] * 3)
+def test_penalties(device):
+    logits = torch.tensor([[3.0, 2.0, 1.0, -1.0]] * 3, device=device)
     params = [WorkerSamplingParams(temperature=0, repetition_penalty=2.0),
               WorkerSamplingParams(temperature=0, frequency_penalty=1.0),
               WorkerSamplingParams(temperature=0, presence_penalty=1.5)]
-    md = SamplingMetadata.build(params, [None] * 3, [[0], [], []], [[3], [0, 0], [0, 0]], ())
+    md = SamplingMetadata.build(params, [None] * 3, [[0], [], []], [[3], [0, 0], [0, 0]], (),
+                                device)
     from worker.sampler import apply_penalties
     out = apply_penalties(logits, md)
     assert out[0].tolist() == [1.5, 2.0, 1.0, -2.0]  # prompt token 0 and output token 3
@@ -104,16 +117,16 @@ def test_penalties():
     assert tokens.tolist() == [1, 1, 1]
 
 
-def test_min_tokens_bans_eos_and_stop_ids():
-    logits = torch.tensor([[0.0, 5.0, 9.0, 1.0]] * 2)
+def test_min_tokens_bans_eos_and_stop_ids(device):
+    logits = torch.tensor([[0.0, 5.0, 9.0, 1.0]] * 2, device=device)
     params = [WorkerSamplingParams(temperature=0, min_tokens=2, stop_token_ids=(1,)),
               WorkerSamplingParams(temperature=0, min_tokens=2, stop_token_ids=(1,))]
     tokens, _ = sample(logits, params, outputs=[[0], [0, 0]], eos=(2,))
     assert tokens.tolist() == [3, 2]  # row 0 still under min_tokens: 2 and 1 banned
 
 
-def test_logprobs_are_raw_and_ranked():
-    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+def test_logprobs_are_raw_and_ranked(device):
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]], device=device)
     tokens, lps = sample(logits, [WorkerSamplingParams(temperature=0, logprobs=2)])
     lp = lps[0]
     ref = logits.log_softmax(-1)[0]
@@ -122,3 +135,39 @@ def test_logprobs_are_raw_and_ranked():
     assert lp.top_token_ids == [1, 2]
     _, none = sample(logits, [WorkerSamplingParams(temperature=0)])
     assert none == [None]
+
+
+def test_logprobs_of_some_rows_equal_the_whole_batch_computation(device):
+    """Only the rows that ask are computed (and copied): on the CPU bit for bit what the
+    whole batch's log_softmax gives them (as before rows were selected), on CUDA within
+    1e-6 (its kernels promise no bitwise equality across batch shapes); others get None."""
+    torch.manual_seed(3)
+    logits = torch.randn(6, 2000, device=device) * 4
+    asks = [None, 0, 3, None, 7, 1]
+    params = [WorkerSamplingParams(temperature=0.9, seed=i, logprobs=k)
+              for i, k in enumerate(asks)]
+    gens = [make_generator(i, 0, 2000, device) for i in range(6)]
+    tokens, lps = sample(logits, params, gens)
+    full = logits.log_softmax(-1).cpu()
+    for i, k in enumerate(asks):
+        if k is None:
+            assert lps[i] is None
+            continue
+        lp, row = lps[i], full[i]
+        top_vals, top_ids = row.topk(k) if k else (row[:0], row[:0].long())
+        assert lp.token_id == tokens[i].item() and lp.top_token_ids == top_ids.tolist()
+        if device.type == "cpu":
+            assert lp.logprob == row[lp.token_id].item()
+            assert lp.rank == int((row > row[lp.token_id]).sum()) + 1
+            assert lp.top_logprobs == top_vals.tolist()
+        else:
+            assert lp.logprob == pytest.approx(row[lp.token_id].item(), rel=1e-6, abs=1e-6)
+            assert abs(lp.rank - (int((row > row[lp.token_id]).sum()) + 1)) <= 1
+            assert lp.top_logprobs == pytest.approx(top_vals.tolist(), rel=1e-6, abs=1e-6)
+
+
+def test_penalty_counts_are_built_on_the_logits_device(device):
+    from worker.sampler import _token_counts
+    counts = _token_counts([[1, 1, 4], [], [0, 4, 4, 4]], 5, device)
+    assert counts.device.type == device.type
+    assert counts.cpu().tolist() == [[0, 2, 0, 0, 1], [0] * 5, [1, 0, 0, 0, 3]]
