@@ -14,7 +14,7 @@ from engine_core.worker_sampling import WorkerSamplingParams
 from text.grammar_compiler import GrammarError, allocate_bitmask
 from worker.request_state import CachedRequestState
 from worker.structured_output import StructuredOutputManager
-from worker.structured_output.grammar_step import disallowed_tokens
+from worker.structured_output.grammar_step import disallowed_tokens, mask_rows
 from worker.structured_output.request_grammar import RequestGrammar
 
 VOCAB = 49152
@@ -59,13 +59,19 @@ def test_the_bitmask_unpacks_to_the_tokens_it_names():
     words[1, 2] = -(1 << 31)  # bit 31 of word 2: token 95
     banned = disallowed_tokens(words, 70)
     assert banned.shape == (2, 70)
-    assert (~banned[0]).nonzero().flatten().tolist() == [5]
-    assert (~banned[1]).nonzero().flatten().tolist() == []  # 95 lies past the 70 rows
-    assert (~disallowed_tokens(words, 96)[1]).nonzero().flatten().tolist() == [95]
+    assert np.flatnonzero(~banned[0]).tolist() == [5]
+    assert np.flatnonzero(~banned[1]).tolist() == []  # 95 lies past the 70 rows
+    assert np.flatnonzero(~disallowed_tokens(words, 96)[1]).tolist() == [95]
+    for logits in (torch.randn(3, 70), torch.randn(3, 70, dtype=torch.bfloat16)):
+        before = logits.clone()
+        mask_rows(logits, [2, 0], banned)  # the torch path serves other dtypes/devices
+        assert torch.equal(logits[1], before[1])
+        assert torch.isfinite(logits[2]).nonzero().flatten().tolist() == [5]
+        assert torch.isinf(logits[0]).all()
 
 
 def allowed(bitmask) -> list[int]:
-    return (~disallowed_tokens(bitmask, VOCAB)[0]).nonzero().flatten().tolist()
+    return np.flatnonzero(~disallowed_tokens(bitmask, VOCAB)[0]).tolist()
 
 
 def test_a_request_still_compiling_is_deferred_without_holding_the_others(
