@@ -9,7 +9,7 @@
    of each and their ratio (target: constrained >= 0.90 x free). ignore_eos keeps both
    loads at exactly N x L tokens; a constrained row whose grammar ended keeps its mask
    (EOS only) until L.
-3. --validity: the 50 schemas x 3 seeds at temperature 0.8, unconstrained (the same
+3. --validity: the 50 schemas x 3 seeds (--validity-seeds) at temperature 0.8, unconstrained (the same
    prompts as the test, and again with the schema written into the prompt) and
    constrained: how many outputs parse and validate with jsonschema.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -103,7 +104,7 @@ def validity(llm, entries: list[dict], args) -> dict:
         for entry in entries:
             prompt = entry["prompt"] + (f" The JSON schema: {json.dumps(entry['schema'])}."
                                         if with_schema_in_prompt else "")
-            for seed in range(3):
+            for seed in range(args.validity_seeds):
                 convs.append(chat(prompt))
                 schemas.append(entry["schema"])
                 params.append(SamplingParams(temperature=0.8, seed=seed, max_tokens=200,
@@ -121,17 +122,20 @@ def validity(llm, entries: list[dict], args) -> dict:
                 schema, format_checker=checker).is_valid(value)
         return {"outputs": len(outs), "parse": parsed, "valid": valid}
 
-    return {"unconstrained": count(False, False),
-            "unconstrained_schema_in_prompt": count(True, False),
-            "constrained": count(False, True)}
+    kinds = {"unconstrained": (False, False), "unconstrained_schema_in_prompt": (True, False),
+             "constrained": (False, True)}
+    return {kind: count(*kinds[kind]) for kind in args.validity_kinds.split(",")}
 
 
 def machine() -> dict:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines()
                   if line.startswith("Model name")), platform.processor())
+    flags = next((line.split(":", 1)[1].split() for line in lscpu.splitlines()
+                  if line.startswith("Flags")), [])
     load = Path("/proc/loadavg").read_text().split()[:3]
-    return {"cpu": model, "load_average": load, "python": platform.python_version()}
+    return {"cpu": model, "cpu_flags": flags, "num_cpus": os.cpu_count(),
+            "nice": os.nice(0), "load_average": load, "python": platform.python_version()}
 
 
 def main(argv=None) -> int:
@@ -142,13 +146,21 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--validity", action="store_true",
                         help="also measure validity with and without constraints")
+    parser.add_argument("--validity-seeds", type=int, default=3,
+                        help="seeded samples per schema in --validity (the test uses 3)")
+    parser.add_argument("--validity-kinds",
+                        default="unconstrained,unconstrained_schema_in_prompt,constrained",
+                        help="which of the three --validity runs to make")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 8 requests")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--note", default="",
+                        help="recorded with the results (e.g. what else ran beside it)")
     args = parser.parse_args(argv)
     if args.quick:
         args.num_requests, args.max_tokens, args.repeats = 8, 8, 1
     entries = json.loads(SCHEMAS.read_text())
-    result = {"machine": machine(), "cold_compile": cold_compiles(entries)}
+    result = {"machine": machine(), "note": args.note, "argv": sys.argv[1:],
+              "cold_compile": cold_compiles(entries)}
     print("cold compile per schema (ms): mean {mean_ms}, p50 {p50_ms}, max {max_ms}; "
           "tokenizer build {tokenizer_build_ms}".format(**result["cold_compile"]))
     from folio import LLM

@@ -98,9 +98,10 @@ def tool_call_format(body: dict) -> tuple[ToolCallFormat, StructuredOutputsParam
     if not functions:
         raise bad(f"tool_choice {choice!r} needs a non-empty 'tools'", "tool_choice")
     if choice == "auto":
-        raise bad("tool_choice \"auto\" needs a chat template that defines a tool-call "
-                  "format this server can parse, and this model's template defines none; "
-                  "use tool_choice \"required\" or name a function", "tool_choice")
+        raise bad("tool_choice \"auto\" needs a parser for tool calls written in free "
+                  "text in the format the model's chat template defines, and this server "
+                  "has none for this model; use tool_choice \"required\" or name a "
+                  "function", "tool_choice")
     if choice != "required":
         parameters, strict = functions[choice]
         return ToolCallFormat(choice), StructuredOutputsParams(json=parameters, strict=strict)
