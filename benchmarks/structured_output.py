@@ -159,22 +159,28 @@ def main(argv=None) -> int:
     if args.quick:
         args.num_requests, args.max_tokens, args.repeats = 8, 8, 1
     entries = json.loads(SCHEMAS.read_text())
-    result = {"machine": machine(), "note": args.note, "argv": sys.argv[1:],
-              "cold_compile": cold_compiles(entries)}
+    result = {"machine": machine(), "note": args.note, "argv": sys.argv[1:]}
+
+    def save() -> None:  # after each phase: a run cut short keeps what it measured
+        result["machine"]["load_average_after"] = Path("/proc/loadavg").read_text().split()[:3]
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=1) + "\n")
+
+    result["cold_compile"] = cold_compiles(entries)
+    save()
     print("cold compile per schema (ms): mean {mean_ms}, p50 {p50_ms}, max {max_ms}; "
-          "tokenizer build {tokenizer_build_ms}".format(**result["cold_compile"]))
+          "tokenizer build {tokenizer_build_ms}".format(**result["cold_compile"]), flush=True)
     from folio import LLM
     llm = LLM(dtype=args.dtype, **{"observability.log_level": "warning"})
     result["throughput"] = throughput(llm, entries, args)
+    save()
     t = result["throughput"]
     print(f"output tok/s: free {t['best_tok_s']['free']}, half constrained "
-          f"{t['best_tok_s']['constrained']}: ratio {t['ratio']} (target >= 0.90)")
+          f"{t['best_tok_s']['constrained']}: ratio {t['ratio']} (target >= 0.90)", flush=True)
     if args.validity:
         result["validity"] = validity(llm, entries, args)
+        save()
         print("validity:", json.dumps(result["validity"]))
-    result["machine"]["load_average_after"] = Path("/proc/loadavg").read_text().split()[:3]
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 
