@@ -4,8 +4,8 @@ Validity: the 50 JSON schemas of tests/data/structured_output_schemas.json (nest
 objects, arrays with min/max items, enums, anyOf, bounded numbers and integers, strings
 with patterns and formats, required and optional fields, additionalProperties false) at
 temperature 0.8, 3 seeds each, plus regexes, choices and an arithmetic grammar, all in
-one batched run: 100% parse and validate. (Without constraints the model alone fails
-most of them: benchmarks/structured_output.py --validity measures it; README.)
+one batched run: 100% parse and validate. (How often the model alone, without
+constraints, writes valid output: benchmarks/structured_output.py --validity.)
 
 Mixing: 32 greedy requests, 16 constrained by 8 schemas and 16 free, in one batch:
 the constrained ones validate and the free ones are token-identical to a run without
