@@ -6,7 +6,8 @@ import math
 from dataclasses import dataclass, field
 
 from config.fields import _check, _f
-from config.request_bounds import ENGINE_MAX_LOGPROBS, ENGINE_MAX_STOP_STRINGS
+from config.request_bounds import (ENGINE_MAX_GRAMMAR_CHARS, ENGINE_MAX_LOGPROBS,
+                                   ENGINE_MAX_STOP_STRINGS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +104,11 @@ class APIConfig:
                                     "chat templates off its event loop")
     allow_special_tokens_in_content: bool = _f(False, "chat content may write special "
                                                "tokens ('<|im_start|>'); false: plain text")
+    max_grammar_chars: int = _f(65536, "longest grammar a request may constrain its output "
+                                "with (a JSON schema's text, a regex, choices, EBNF), "
+                                f"at most {ENGINE_MAX_GRAMMAR_CHARS}")
+    grammar_compile_timeout_s: float = _f(2.0, "seconds a request's grammar may take to "
+                                          "compile in the API process (400 beyond)")
 
     def __post_init__(self):
         _check(all(k and k == k.strip() and "," not in k for k in self.api_keys),
@@ -132,5 +138,9 @@ class APIConfig:
                "api.tenant_body_burst_bytes", "must be at least api.max_body_bytes (else "
                "the largest allowed body could never be sent)")
         _check(self.max_json_values >= 1024, "api.max_json_values", "must be at least 1024")
+        _check(1 <= self.max_grammar_chars <= ENGINE_MAX_GRAMMAR_CHARS,
+               "api.max_grammar_chars", f"must be in 1..{ENGINE_MAX_GRAMMAR_CHARS}")
+        _check(self.grammar_compile_timeout_s > 0, "api.grammar_compile_timeout_s",
+               "must be positive")
         _check(1 <= self.num_tokenizer_threads <= 64, "api.num_tokenizer_threads",
                "must be in 1..64")

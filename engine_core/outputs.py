@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine_core.structured_outputs import StructuredOutputReport
+
 
 class FinishReason(str, enum.Enum):
     """Why a request stopped (the OpenAI ``finish_reason`` strings)."""
@@ -39,11 +41,13 @@ class ModelRunnerOutput:
 
     ``sampled_token_ids[i]`` and ``logprobs[i]`` belong to ``req_ids[i]``; each is a list
     so that a step may accept several tokens per request (speculative decoding).
+    ``structured_output``: what the grammars did (None when no grammar was involved).
     """
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
+    structured_output: StructuredOutputReport | None = None
 
 
 @dataclass(slots=True)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, fields
 from config.request_bounds import ENGINE_MAX_LOGPROBS as MAX_LOGPROBS
 from config.request_bounds import ENGINE_MAX_STOP_STRINGS as MAX_STOP_STRINGS
 from config.request_bounds import ENGINE_MAX_STOP_TOKEN_IDS as MAX_STOP_TOKEN_IDS
+from engine_core.structured_outputs import StructuredOutputError, StructuredOutputsParams
 
 
 class InvalidRequestError(ValueError):
@@ -53,6 +54,8 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy decoding. ``max_tokens=None`` means "as many as
     fit in ``max_model_len``"; the engine fills it in when the request is added.
+    ``structured_outputs`` constrains the output to a JSON schema, regex, choice or
+    grammar (engine_core/structured_outputs.py; a dict of its fields is accepted).
     Validated on construction; ``clone`` re-checks only what it changes.
     """
 
@@ -75,8 +78,11 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return besides the sampled one
     priority: int = 0  # lower value is served first under the priority policy
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = _structured(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -141,6 +147,20 @@ class SamplingParams:
                 raise InvalidRequestError(
                     f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
         _int("priority", self.priority)
+        self._check_structured_outputs()
+
+    def _check_structured_outputs(self) -> None:
+        so = self.structured_outputs
+        if so is None:
+            return
+        if not isinstance(so, StructuredOutputsParams):
+            raise InvalidRequestError("structured_outputs must be a StructuredOutputsParams "
+                                      "or a dict of its fields", "structured_outputs")
+        # The grammar allows EOS only at its end, and min_tokens bans EOS before it: a
+        # grammar that ends early would leave no token to sample.
+        if self.min_tokens:
+            raise InvalidRequestError("min_tokens cannot be combined with structured "
+                                      "outputs", "min_tokens")
 
     def _check_lengths(self) -> None:
         if self.max_tokens is not None:
@@ -195,3 +215,12 @@ class SamplingParams:
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _structured(fields_: dict) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**fields_)
+    except TypeError as e:
+        raise InvalidRequestError(f"structured_outputs: {e}", "structured_outputs") from None
+    except StructuredOutputError as e:
+        raise InvalidRequestError(str(e), "structured_outputs") from None

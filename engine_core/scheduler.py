@@ -231,10 +231,14 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         mro = model_runner_output
         position = {req_id: i for i, req_id in enumerate(mro.req_ids)}
+        deferred = (set(mro.structured_output.deferred_req_ids)
+                    if mro.structured_output is not None else ())
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
+            if req_id in deferred:  # its grammar is compiling: compute the token again
+                request.num_computed_tokens -= 1
             i = position.get(req_id)
             sampled = mro.sampled_token_ids[i] if i is not None else []
             if req_id in scheduler_output.num_spec_tokens:

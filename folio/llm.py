@@ -11,6 +11,7 @@ from config.schema import FolioConfig
 from engine_core.sampling_params import InvalidRequestError, SamplingParams
 from folio.lora_request import LoRARequest
 from observability.logging import configure_logging, get_logger
+from text.grammar_compiler import GrammarError
 from text.output_processor import OutputProcessor
 from text.request_output import RequestOutput
 from text.tokenizer import Tokenizer
@@ -69,8 +70,8 @@ class LLM:
                  lora_request: LoRARequests = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
-        All prompts are validated before any is queued, so a bad one raises
-        InvalidRequestError (naming the field) and leaves the engine untouched.
+        All prompts are validated before any is queued (grammars compiled), so a bad one
+        raises InvalidRequestError (naming the field) and leaves the engine untouched.
         ``lora_request``: one LoRA adapter for every prompt, or one (or None) per prompt
         (needs ``enable_lora``; folio/lora_request.py).
         """
@@ -88,6 +89,7 @@ class LLM:
         tokenized = [self._tokenize(p) for p in prompts]
         for (_, ids), p, lora_id in zip(tokenized, params, lora_ids):
             self.engine.validate_request(ids, p, lora_id=lora_id)
+            self._check_grammar(p)
         req_ids = []
         for (text, ids), p, lora_id in zip(tokenized, params, lora_ids):
             req_id = f"offline-{next(self._ids)}"
@@ -120,6 +122,15 @@ class LLM:
                                       "lora_request") from None
         return self.engine.lora.register(request.lora_name, request.lora_path,
                                          request.lora_int_id).lora_id
+    def _check_grammar(self, params: SamplingParams) -> None:
+        """Compile a request's grammar before it is queued (kept in the runner's cache):
+        InvalidRequestError naming ``structured_outputs`` if it does not compile."""
+        if params.structured_outputs is None:
+            return
+        try:
+            self.runner.structured_output.validate(params.structured_outputs.spec)
+        except GrammarError as e:
+            raise InvalidRequestError(str(e), "structured_outputs") from None
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -19,11 +19,14 @@ from engine_core.outputs import EngineCoreOutput
 from engine_core.scheduler_output import SchedulerOutput
 from observability.lora_metrics import LoRAMetrics
 from engine_core.spec.speculator import SpecDecodeStats
+from engine_core.structured_outputs import StructuredOutputReport
 
 PREFIX = "folio:"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+_COMPILE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                    2.5, 5.0, 10.0)
 
 
 @dataclass(slots=True)
@@ -93,6 +96,14 @@ class EngineMetrics:
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens per engine step",
                                           _TOKEN_BUCKETS)
         self.lora = LoRAMetrics(r, max_loras) if max_loras is not None else None
+        self.grammar_compile = histogram(
+            "structured_output_compile_seconds", "Grammar compiles in the worker (cache "
+            "misses), each off the step loop", _COMPILE_BUCKETS)
+        self.grammar_cache_hits = counter(
+            "structured_output_cache_hits", "Constrained samples whose grammar was compiled "
+            "already")
+        self.grammar_deferrals = counter(
+            "structured_output_deferrals", "Steps a constrained sample waited for its grammar")
         self._clocks: dict[str, _RequestClock] = {}
         self._last_queries = 0
         self._last_hits = 0
@@ -128,6 +139,15 @@ class EngineMetrics:
             self.lora.update(stats.lora)
         if self.spec is not None and stats.spec_decode is not None:
             self.spec.update(stats.spec_decode)
+
+    def on_structured_output(self, report: StructuredOutputReport | None) -> None:
+        """Account what the worker's grammars did in one step."""
+        if report is None:
+            return
+        for seconds in report.compile_seconds:
+            self.grammar_compile.observe(seconds)
+        self.grammar_cache_hits.inc(report.num_cache_hits)
+        self.grammar_deferrals.inc(len(report.deferred_req_ids))
 
     def _on_output(self, out: EngineCoreOutput, now: float) -> None:
         clock = self._clocks.get(out.req_id)

@@ -41,6 +41,7 @@ def bootstrap_model(config: FolioConfig) -> LoadedModel:
     if config.speculative.method == "draft_model":
         check_draft_tokenizer(tokenizer, config.speculative.draft_model)
     eos_token_ids = list(dict.fromkeys((*runner.eos_token_ids, *tokenizer.eos_token_ids)))
+    runner.structured_output.use_tokenizer(tokenizer, eos_token_ids)
     facts = ModelFacts(num_blocks=num_blocks, block_size=config.memory.block_size,
                        max_model_len=runner.max_model_len,
                        vocab_size=runner.arch.vocab_size, eos_token_ids=eos_token_ids,

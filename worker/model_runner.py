@@ -26,6 +26,7 @@ from worker.request_state import CachedRequestState, make_generator
 from worker.sampler import Sampler
 from worker.sampling_metadata import SamplingMetadata
 from worker.speculative_sampler import SpeculativeSampler
+from worker.structured_output import StructuredOutputManager
 
 log = get_logger(__name__)
 
@@ -85,6 +86,8 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         self.eos_token_ids = tuple(self.arch.eos_token_ids)
+        self.structured_output = StructuredOutputManager(self.arch.vocab_size,
+                                                         self.eos_token_ids)
         self.attention_backend = self._pick_attention_backend()
         self.cuda_graphs = None  # DecodeCudaGraphs once captured
         self.graph_reserve_bytes = 0  # what the KV budget left for them (profiled)
@@ -257,6 +260,8 @@ class ModelRunner:
                                   self.attention_backend)
         lora = (self.lora.prepare_step(batch.lora_ids, batch.query_start_loc)
                 if self.lora is not None else None)
+        # constrained rows' masks fill on a thread while the forward runs
+        grammar_step = self.structured_output.begin_step(batch.sampling_states)
         t1 = time.perf_counter()
         timing.prepare_seconds = t1 - t0
         hidden = self.forward(batch, lora)
@@ -268,18 +273,25 @@ class ModelRunner:
         t2 = time.perf_counter()
         timing.forward_seconds = t2 - t1
         if not sampling:
-            return ModelRunnerOutput()
-        if self.spec_sampler is not None:
-            output = self._sample_speculative(logits, sampling, draft_probs)
+            return ModelRunnerOutput(
+                structured_output=self.structured_output.take_report(None))
+        if self.spec_sampler is not None:  # never with a grammar: the engine core refuses
+            output = self._sample_speculative(logits, sampling, draft_probs)  # those
             timing.sample_seconds = time.perf_counter() - t2
             return output
+        if grammar_step is not None:  # masks applied; rows still compiling deferred
+            logits, sampling = grammar_step.apply(logits, sampling)
         token_list, logprobs = self.sample(sampling, logits)
         for state, token in zip(sampling, token_list):
             state.token_ids.append(token)
+        if grammar_step is not None:
+            grammar_step.accept(token_list)
         timing.sample_seconds = time.perf_counter() - t2
         return ModelRunnerOutput(req_ids=[s.req_id for s in sampling],
                                  sampled_token_ids=[[t] for t in token_list],
-                                 logprobs=[[lp] if lp is not None else None for lp in logprobs])
+                                 logprobs=[[lp] if lp is not None else None for lp in logprobs],
+                                 structured_output=self.structured_output.take_report(
+                                     grammar_step))
 
     def _sample_speculative(self, logits: torch.Tensor, states: list[CachedRequestState],
                             draft_probs: dict[str, torch.Tensor]) -> ModelRunnerOutput:

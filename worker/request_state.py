@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine_core.worker_sampling import WorkerSamplingParams
+
+if TYPE_CHECKING:
+    from worker.structured_output.request_grammar import RequestGrammar
 
 
 @dataclass(slots=True)
@@ -20,6 +24,7 @@ class CachedRequestState:
     rows a seeded request drew for positions it has not reached yet (its generator's
     stream stays one row per output token); ``num_draft_computed`` counts the tokens
     whose K/V the draft model holds.
+    ``grammar`` is the sample's matcher once it first samples under a grammar.
     """
 
     req_id: str
@@ -33,6 +38,7 @@ class CachedRequestState:
     spec_token_ids: list[int] = field(default_factory=list)
     noise_rows: list[torch.Tensor] = field(default_factory=list)
     num_draft_computed: int = 0
+    grammar: RequestGrammar | None = None
 
     def input_token_ids(self, start: int, num: int) -> list[int]:
         """Tokens ``start .. start+num-1`` of the known tokens followed by the drafts."""

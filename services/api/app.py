@@ -28,6 +28,7 @@ from services.api.engine_client import EngineClient, EngineDead
 from services.api.errors import error_middleware
 from services.api.expect_continue import ExpectContinue
 from services.api.generation import Generation
+from services.api.grammar_check import GrammarChecker
 from services.api.lora_routes import LoRARoutes
 from services.api.openai_protocol import APIError, unavailable
 from services.api.openapi import openapi_document
@@ -68,6 +69,10 @@ class APIServer:
         self.api_metrics = APIMetrics(self.connections, self.body_budget)
         self.tokens = TokenizerPool(tokenizer, self.api.num_tokenizer_threads,
                                     self.api.allow_special_tokens_in_content)
+        self.grammars = GrammarChecker(
+            tokenizer, self.validator.limits.vocab_size,
+            facts.eos_token_ids if facts is not None else tokenizer.eos_token_ids,
+            self.api.grammar_compile_timeout_s)
 
     def app(self) -> web.Application:
         public = {"/health", "/metrics"} if self.api.public_metrics else {"/health"}
@@ -98,6 +103,7 @@ class APIServer:
 
     async def _close(self, app: web.Application) -> None:
         self.tokens.close()
+        self.grammars.close()
 
     async def _body(self, request) -> dict:
         tenant = request.get(TENANT)
@@ -117,6 +123,7 @@ class APIServer:
         return Generation.start(request, checked, chat, engine=self.engine,
                                 tokenizer=self.tokenizer, validator=self.validator,
                                 model_name=lora_name or self.model_name, tracer=self.tracer,
+                                grammars=self.grammars,
                                 cache_salt=request.get(CACHE_SALT), tenant=tenant,
                                 tenant_weight=self.api.tenant_weights.get(tenant, 1.0),
                                 lora_name=lora_name)
@@ -145,7 +152,8 @@ class APIServer:
         async def tokenize() -> list[int]:
             return await self.tokens.encode_chat(
                 checked.messages, checked.add_generation_prompt,
-                lambda text: self.validator.check_prompt_text(text, "messages"))
+                lambda text: self.validator.check_prompt_text(text, "messages"),
+                checked.tools)
 
         with self.admission.admitted():
             return await self._generation(request, checked, True, lora_name).respond(

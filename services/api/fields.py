@@ -19,10 +19,10 @@ _BOUND_NAMES = {INT64_MAX: "2^63-1", INT64_MIN: "-2^63"}
 
 # Fields OpenAI defines that Folio does not serve: absent, null or one of these values
 # (same type, same value) is accepted; anything else asks for something not served.
+# (response_format, tools and tool_choice are served: services/api/structured_request.py)
 REFUSED: dict[str, tuple] = {
-    "echo": (False,), "suffix": ("",), "logit_bias": ({},), "tools": ([],),
-    "tool_choice": ("none", "auto"), "best_of": (1,), "cache_salt": (),
-    "response_format": ({"type": "text"},)}
+    "echo": (False,), "suffix": ("",), "logit_bias": ({},), "best_of": (1,),
+    "cache_salt": ()}
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,10 +1,9 @@
 """One completion or chat request, from its validated body to its last byte.
 
     Generation.respond(request)
-      tokenize (chat template) ─▶ fit check ─▶ engine.add ─▶ deltas() ─┬─ JSON: collect,
-                                                                       │  render output
-                                                                       └─ SSE: a chunk
-                                                                          per delta
+      [compile the grammar] ─▶ tokenize (chat template) ─▶ fit check ─▶ engine.add
+      ─▶ deltas() ─┬─ JSON: collect, render output (tool calls: tool_calls.py)
+                   └─ SSE: a chunk per delta
 Each engine output goes through the request's ``RequestState`` (text/request_state.py),
 the same code the offline ``LLM`` runs: incremental text, stop strings, logprobs and
 ``n`` > 1. A sample that a stop string ends is aborted in the engine; when the client
@@ -24,11 +23,13 @@ from aiohttp import web
 
 from observability.logging import get_logger
 from services.api.engine_client import EngineDead, QueueFull
+from services.api.grammar_check import GrammarChecker
 from services.api.openai_protocol import APIError, bad, unavailable
 from services.api.request_trace import RequestTrace
 from services.api.request_validation import CheckedRequest, RequestValidator
 from services.api.response_format import (chat_chunk, chat_response, completion_chunk,
                                           completion_response, output_usage)
+from services.api.tool_calls import ToolCallStream
 from services.protocol import RequestRejected
 from text.request_state import RequestState, SampleDelta
 from text.tokenizer import Tokenizer
@@ -48,6 +49,7 @@ class Generation:
     chat: bool
     trace: RequestTrace
     req_id: str
+    grammars: GrammarChecker | None = None  # compiles structured-output grammars
     cache_salt: str | None = None
     tenant: str | None = None  # the API key's tenant id, None without keys
     tenant_weight: float = 1.0
@@ -80,6 +82,7 @@ class Generation:
                                                      trace_id=self.trace.trace_id):
             try:
                 params = self.checked.params
+                await self._check_grammar()
                 with self.trace.tokenize():
                     ids = self.validator.check_prompt_ids(await tokenize(), params,
                                                           self.checked.max_tokens_param)
@@ -98,6 +101,21 @@ class Generation:
                 log.info("request finished", finish_reasons=self.trace.finish_reasons,
                          num_output_tokens=self.trace.num_output_tokens,
                          error=type(error).__name__ if error is not None else None)
+
+    async def _check_grammar(self) -> None:
+        """Compile the request's grammar (cached by spec): a 400 before anything is
+        tokenized or sent when it does not compile in time."""
+        structured = self.checked.structured
+        if structured is None or self.grammars is None:
+            return
+        spec = structured.params.spec
+        with self.trace.child("structured_output.compile") as span:
+            t0 = time.perf_counter()
+            cached = await self.grammars.check(spec, structured.param)
+            if span is not None:
+                span.set_attributes({"folio.grammar_kind": structured.params.kind,
+                                     "folio.cache_hit": cached,
+                                     "folio.compile_seconds": time.perf_counter() - t0})
 
     def _format(self) -> dict:
         return dict(req_id=self.req_id, model=self.model_name, created=self.created)
@@ -148,8 +166,15 @@ class Generation:
             async for _ in deltas:
                 if request.transport is None or request.transport.is_closing():
                     break  # the client hung up
-        render = chat_response if self.chat else completion_response
-        return render(self.state.output, self.tokenizer, **self._format())
+        if self.chat:
+            return chat_response(self.state.output, self.tokenizer, tools=self._tools,
+                                 **self._format())
+        return completion_response(self.state.output, self.tokenizer, **self._format())
+
+    @property
+    def _tools(self):
+        structured = self.checked.structured
+        return structured.tools if structured is not None else None
 
     async def _stream(self, request: web.Request, ids: list[int]) -> web.StreamResponse:
         gen = self.deltas(ids)
@@ -165,6 +190,9 @@ class Generation:
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
         fmt, chunk = self._format(), chat_chunk if self.chat else completion_chunk
+        tools = self._tools
+        calls = {i: ToolCallStream(tools) for i in range(self.checked.params.n)} if tools \
+            else None
         try:
             if self.chat:
                 for i in range(self.checked.params.n):
@@ -172,7 +200,10 @@ class Generation:
                                                 role=True, **fmt))
             delta = first_delta
             while True:
-                if delta.text or delta.finish_reason or delta.token_ids:
+                if calls is not None:
+                    for payload in _tool_chunks(calls[delta.index], delta, fmt):
+                        await _sse(resp, payload)
+                elif delta.text or delta.finish_reason or delta.token_ids:
                     await _sse(resp, chunk(delta, self.tokenizer, **fmt))
                 delta = await gen.__anext__()
         except StopAsyncIteration:
@@ -193,3 +224,15 @@ class Generation:
 
 async def _sse(resp: web.StreamResponse, payload: dict) -> None:
     await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+
+def _tool_chunks(stream: ToolCallStream, delta: SampleDelta, fmt: dict) -> list[dict]:
+    """The chunks of one delta of a tool-call sample (the finish rides on the last)."""
+    bodies, finish = stream.deltas(delta.text, delta.finish_reason)
+    if finish is not None and not bodies:
+        bodies = [{}]
+    return [{"id": fmt["req_id"], "object": "chat.completion.chunk",
+             "created": fmt["created"], "model": fmt["model"],
+             "choices": [{"index": delta.index, "delta": body, "logprobs": None,
+                          "finish_reason": finish if i == len(bodies) - 1 else None}]}
+            for i, body in enumerate(bodies)]

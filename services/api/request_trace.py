@@ -1,5 +1,6 @@
 """One API request's trace: the root span (OpenTelemetry GenAI conventions) and its
-``tokenize`` and ``api.respond`` children, plus the ids its log lines carry.
+``structured_output.compile``, ``tokenize`` and ``api.respond`` children, plus the ids
+its log lines carry.
 
 With tracing off every method is a no-op, but the request still gets a W3C trace id
 (the client's ``traceparent`` if it sent one) so that its log lines in every service
@@ -48,16 +49,20 @@ class RequestTrace:
         return self.tracer.start_span(name, context=trace.set_span_in_context(self.span), **kw)
 
     @contextlib.contextmanager
-    def tokenize(self):
-        """Span around the chat template and tokenization."""
+    def child(self, name: str):
+        """A child span of the request (None when not recording), ended on exit."""
         if self.span is None:
             yield None
             return
-        span = self._child("tokenize")
+        span = self._child(name)
         try:
             yield span
         finally:
             span.end()
+
+    def tokenize(self):
+        """Span around the chat template and tokenization."""
+        return self.child("tokenize")
 
     def start_respond(self, num_prompt_tokens: int, stream: bool) -> None:
         """The request reached the engine: from here to the finish is api.respond."""

@@ -10,8 +10,11 @@ text/token_span.py) before tokenization, and its token count is checked again af
 (:meth:`RequestValidator.check_prompt_ids`).
 
 Fields OpenAI defines that Folio does not serve (``echo``, ``suffix``, ``logit_bias``,
-``tools``...) are refused when set to anything but their default (services/api/fields.py)
-rather than silently ignored; other unknown fields are ignored, as vLLM does.
+``best_of``) are refused when set to anything but their default (services/api/fields.py)
+rather than silently ignored; other unknown fields are ignored, as vLLM does. The
+fields that constrain the output (``response_format``, ``structured_outputs``,
+``guided_*``, ``tools``/``tool_choice``) are read by services/api/structured_request.py;
+their grammar is compiled before the request reaches the engine (grammar_check.py).
 ``cache_salt`` is refused: the server derives it from the caller's API key
 (services/api/auth.py) and never takes it from a client.
 """
@@ -24,6 +27,7 @@ from config.schema import APIConfig
 from engine_core.sampling_params import InvalidRequestError, SamplingParams
 from services.api.fields import INT64, NUMBER, Range, check_refused, token_ids, typed
 from services.api.openai_protocol import APIError, bad
+from services.api.structured_request import StructuredRequest, structured_request
 from text.chat_template import ChatTemplateError, validate_messages
 from text.token_span import TokenSpan
 
@@ -51,13 +55,15 @@ class ValidationLimits:
     max_stop_string_chars: int = 1024
     max_stop_token_ids: int = 256  # never above vocab_size (from_config sees to that)
     token_span: TokenSpan | None = None  # None: no cheap bound on a text's token count
+    max_grammar_chars: int = 65536
 
     @classmethod
     def from_config(cls, api: APIConfig, max_model_len: int, vocab_size: int,
                     token_span: TokenSpan | None) -> "ValidationLimits":
         return cls(max_model_len, vocab_size, api.max_n, api.max_stop_strings,
                    api.max_logprobs, api.max_stop_string_chars,
-                   min(api.max_stop_token_ids, vocab_size), token_span)
+                   min(api.max_stop_token_ids, vocab_size), token_span,
+                   api.max_grammar_chars)
 
 
 @dataclass(slots=True)
@@ -71,6 +77,8 @@ class CheckedRequest:
     max_tokens_param: str = "max_tokens"  # the field that set params.max_tokens
     messages: list[dict[str, Any]] | None = None  # chat
     add_generation_prompt: bool = True
+    structured: StructuredRequest | None = None  # what the output must match
+    tools: list[dict[str, Any]] | None = None  # chat: rendered by templates that know them
 
 
 class RequestValidator:
@@ -82,7 +90,8 @@ class RequestValidator:
     def _token_ids(self, value: Any, key: str, max_count: int | None = None) -> list[int]:
         return token_ids(value, key, self.limits.vocab_size, max_count)
 
-    def sampling_params(self, body: dict, *, chat: bool) -> SamplingParams:
+    def sampling_params(self, body: dict, *, chat: bool,
+                        structured: StructuredRequest | None = None) -> SamplingParams:
         """Validated SamplingParams from an OpenAI completion or chat body."""
         lim = self.limits
         check_refused(body)
@@ -108,6 +117,8 @@ class RequestValidator:
         if body.get("user") is not None:
             typed(body, "user", (str,))
         self._logprobs(body, chat, kwargs)
+        if structured is not None:
+            kwargs["structured_outputs"] = structured.params
         try:
             return SamplingParams(**kwargs)
         except InvalidRequestError as e:
@@ -150,7 +161,9 @@ class RequestValidator:
         """A completion body: one prompt (text or token ids) and its sampling. A text
         prompt that cannot fit the context is refused here, before it is tokenized."""
         stream, include_usage = stream_flags(body)
-        params = self.sampling_params(body, chat=False)
+        structured = structured_request(body, chat=False,
+                                        max_chars=self.limits.max_grammar_chars)
+        params = self.sampling_params(body, chat=False, structured=structured)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
@@ -165,19 +178,24 @@ class RequestValidator:
         else:
             raise bad("'prompt' must be a non-empty string or list of token ids (batches of "
                       "several prompts are not served)", "prompt")
-        return CheckedRequest(params, stream, include_usage, prompt=prompt)
+        return CheckedRequest(params, stream, include_usage, prompt=prompt,
+                              structured=structured)
 
     def chat(self, body: dict) -> CheckedRequest:
         """A chat body: the conversation's shape and its sampling."""
         stream, include_usage = stream_flags(body)
-        params = self.sampling_params(body, chat=True)
+        structured = structured_request(body, chat=True,
+                                        max_chars=self.limits.max_grammar_chars)
+        params = self.sampling_params(body, chat=True, structured=structured)
         messages = checked_messages(body.get("messages"))
         add = (typed(body, "add_generation_prompt", (bool,))
                if body.get("add_generation_prompt") is not None else True)
         param = ("max_completion_tokens" if body.get("max_completion_tokens") is not None
                  else "max_tokens")
+        tools = body.get("tools") if structured is not None and structured.tools else None
         return CheckedRequest(params, stream, include_usage, messages=messages,
-                              add_generation_prompt=add, max_tokens_param=param)
+                              add_generation_prompt=add, max_tokens_param=param,
+                              structured=structured, tools=tools)
 
     def check_prompt_text(self, text: str, param: str, room: int = 1) -> None:
         """400 naming ``param`` when ``text`` must become more than max_model_len - room

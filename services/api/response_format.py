@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine_core.outputs import TokenLogprobs
+from services.api.tool_calls import ToolCallFormat, tool_call_message
 from text.request_output import RequestOutput
 from text.request_state import SampleDelta
 
@@ -68,13 +69,18 @@ def completion_response(output: RequestOutput, tokenizer, *, req_id, model,
             "usage": output_usage(output)}
 
 
-def chat_response(output: RequestOutput, tokenizer, *, req_id, model, created) -> dict:
+def chat_response(output: RequestOutput, tokenizer, *, req_id, model, created,
+                  tools: ToolCallFormat | None = None) -> dict:
+    """``tools``: the samples are tool calls (message.tool_calls, finish "tool_calls")."""
+    choices = []
+    for c in output.outputs:
+        message, finish = ({"role": "assistant", "content": c.text}, c.finish_reason) \
+            if tools is None else tool_call_message(c.text, c.finish_reason, tools)
+        choices.append({"index": c.index, "message": message,
+                        "logprobs": chat_logprobs(c.logprobs, tokenizer),
+                        "finish_reason": finish})
     return {"id": req_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": c.index,
-                         "message": {"role": "assistant", "content": c.text},
-                         "logprobs": chat_logprobs(c.logprobs, tokenizer),
-                         "finish_reason": c.finish_reason} for c in output.outputs],
-            "usage": output_usage(output)}
+            "choices": choices, "usage": output_usage(output)}
 
 
 def completion_chunk(delta: SampleDelta, tokenizer, *, req_id, model, created) -> dict:

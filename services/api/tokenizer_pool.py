@@ -86,17 +86,21 @@ class TokenizerPool:
         return await self._run(len(token_ids), self.tokenizer.decode, token_ids)
 
     async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                          check_text: Callable[[str], None]) -> list[int]:
-        """Render the conversation, pass its text to ``check_text`` (which raises to
-        refuse it), then encode it; a template error is a 400 naming ``messages``."""
+                          check_text: Callable[[str], None],
+                          tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Render the conversation (with ``tools`` for templates that render them), pass
+        its text to ``check_text`` (which raises to refuse it), then encode it; a
+        template error is a 400 naming ``messages``."""
         return await self._run(_content_chars(messages), self._encode_chat, messages,
-                               add_generation_prompt, check_text)
+                               add_generation_prompt, check_text, tools)
 
     def _encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                     check_text: Callable[[str], None]) -> list[int]:
+                     check_text: Callable[[str], None],
+                     tools: list[dict[str, Any]] | None) -> list[int]:
         try:
             prompt = self.tokenizer.render_chat(messages, add_generation_prompt,
-                                                split_content=self.split_content)
+                                                split_content=self.split_content,
+                                                tools=tools)
         except ChatTemplateError as e:
             raise bad(str(e), "messages") from None
         # The rendered text is what gets encoded (content pieces as plain text, which

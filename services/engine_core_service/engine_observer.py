@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from config.schema import FolioConfig
 from engine_core.engine import EngineCore
-from engine_core.outputs import EngineCoreOutput
+from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.scheduler_output import SchedulerOutput
 from observability.logging import get_logger
 from observability.metrics import EngineMetrics
@@ -65,11 +65,13 @@ class EngineObserver:
         return self.tracer.begin_step(so)
 
     def end_step(self, so: SchedulerOutput, outputs: list[EngineCoreOutput],
-                 engine: EngineCore) -> None:
+                 engine: EngineCore, runner_output: ModelRunnerOutput | None = None) -> None:
         if self.tracer is not None:
             self.tracer.end_step(so, outputs, engine.last_draft_outcomes())
         if self.metrics is not None:
             self.metrics.on_step(so, outputs, engine.get_stats())
+            if runner_output is not None:
+                self.metrics.on_structured_output(runner_output.structured_output)
         for out in outputs:
             if out.finished:
                 ids = self._ids.pop(out.req_id, None)

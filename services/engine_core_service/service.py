@@ -238,7 +238,7 @@ class EngineCoreService:
                 outputs = self.engine.end_step(scheduler_output, runner_output)
                 await self.lora.send_commands(self._worker)  # evictions of idle adapters
                 is_stalled = is_stalled and not outputs
-                self.observer.end_step(scheduler_output, outputs, self.engine)
+                self.observer.end_step(scheduler_output, outputs, self.engine, runner_output)
                 await self._route(outputs)
                 await self.clients.publish()
                 self.health.on_step()

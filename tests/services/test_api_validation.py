@@ -126,7 +126,7 @@ CASES = [  # (id, path, raw body, status, param)
     ("logit-bias-empty-list", CMPL, cmpl(logit_bias=[]), 400, "logit_bias"),
     ("tools-empty-object", CHAT, chat(tools={}), 400, "tools"),
     ("tool-choice-required", CHAT, chat(tool_choice="required"), 400, "tool_choice"),
-    ("response-format-json", CHAT, chat(response_format={"type": "json_object"}), 400,
+    ("response-format-unknown", CHAT, chat(response_format={"type": "xml"}), 400,
      "response_format"),
     ("stop-string-too-long", CMPL, cmpl(stop="x" * 1025), 400, "stop"),
     ("stop-string-262k-chars", CHAT, chat(stop=["a", "y" * 262_000]), 400, "stop"),

@@ -7,6 +7,7 @@ from engine_core.outputs import EngineCoreOutput, FinishReason, ModelRunnerOutpu
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler_output import (BlockCopy, CachedRequestData, NewRequestData,
                                           SchedulerOutput)
+from engine_core.structured_outputs import StructuredOutputReport
 from engine_core.worker_sampling import WorkerSamplingParams
 from services.protocol import (PROTOCOL_VERSION, AbortRequest, AddRequest, ExecuteStep,
                                Health, HealthSnapshot, OutputDelta, ProtocolError,
@@ -17,12 +18,21 @@ PARAMS = SamplingParams(temperature=0.7, top_k=5, stop=["\n\n"], seed=3, max_tok
                         logprobs=2, min_tokens=1, stop_token_ids=[4, 9, 7])
 WORKER_PARAMS = WorkerSamplingParams.from_params(PARAMS)
 NEW = NewRequestData("r1", [1, 2, 3], 3, WORKER_PARAMS, [5, 6], 0)
+CONSTRAINED = SamplingParams(n=2, structured_outputs={"json": {"type": "object", "properties": {
+    "b": {"type": "integer"}, "a": {"enum": ["x", "y"]}}}, "strict": False})
 LOGPROBS = TokenLogprobs(token_id=7, logprob=-0.25, rank=1, top_token_ids=[7, 8],
                          top_logprobs=[-0.25, -1.5])
 
 MESSAGES = [
     AddRequest("r1", [1, 2, 3], PARAMS, client_id="api-0", arrival_time=12.5,
                cache_salt="tenant-a", traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01"),
+    AddRequest("r3", [4, 5], CONSTRAINED, client_id="api-1", arrival_time=1.0),
+    AddRequest("r4", [4], SamplingParams(structured_outputs={"choice": ["a", "b"]}),
+               client_id="api-1", arrival_time=1.0),
+    StageNewRequests(3, [NewRequestData("0_r3", [4, 5], 2, WorkerSamplingParams.from_params(
+        CONSTRAINED), [1], 0)]),
+    StepResult(3, ModelRunnerOutput(["r4"], [[7]], [None], StructuredOutputReport(
+        deferred_req_ids=["0_r3"], compile_seconds=[0.002], num_cache_hits=1))),
     AbortRequest(["r1", "0_r2"]),
     OutputDelta([EngineCoreOutput("r1", [7], [LOGPROBS], FinishReason.STOP, stop_reason=2,
                                   num_cached_tokens=16, parent_req_id="p", index=1),
@@ -106,3 +116,10 @@ def test_token_id_lists_decode_to_their_declared_containers():
     assert decode(encode(ExecuteStep(1, SchedulerOutput(
         scheduled_new_reqs=[NEW])))).scheduler_output.scheduled_new_reqs[0] \
         .sampling_params.stop_token_ids == WORKER_PARAMS.stop_token_ids
+
+
+def test_a_malformed_grammar_in_a_frame_is_a_protocol_error():
+    plain = msgpack.unpackb(encode(MESSAGES[1]))
+    plain["body"]["sampling_params"]["structured_outputs"]["choice"] = []
+    with pytest.raises(ProtocolError):
+        decode(msgpack.packb(plain))
