@@ -218,3 +218,22 @@ def test_disable_by_batch_size_and_the_draft_model_path():
 def test_stats_are_absent_without_speculation(spec):
     engine = make_engine(speculative_config=spec)
     assert (engine.get_stats().spec_decode is None) == (spec is None)
+
+
+def test_structured_outputs_are_refused_while_speculation_is_on():
+    """Drafts are not checked against grammars yet: a constrained request gets a clear
+    error naming the field, nothing is queued, and the same request is served without
+    speculation."""
+    import pytest
+
+    from engine_core.sampling_params import InvalidRequestError
+    constrained = SamplingParams(max_tokens=4, structured_outputs={"choice": ["yes", "no"]})
+    engine = make_engine(speculative_config=ngram())
+    with pytest.raises(InvalidRequestError) as refused:
+        engine.add_request("a", PROMPT, constrained)
+    assert refused.value.param == "structured_outputs"
+    assert not engine.has_unfinished_requests()
+    plain = make_engine()
+    plain.add_request("a", PROMPT, SamplingParams(
+        max_tokens=4, structured_outputs={"choice": ["yes", "no"]}))
+    assert plain.has_unfinished_requests()
