@@ -167,7 +167,10 @@ class Generation:
             delta = first_delta
             while True:
                 if delta.text or delta.finish_reason or delta.token_ids:
-                    await _sse(resp, chunk(delta, self.tokenizer, **fmt))
+                    payload = chunk(delta, self.tokenizer, **fmt)
+                    if self.checked.continuous_usage:  # the request's usage so far
+                        payload["usage"] = output_usage(self.state.output)
+                    await _sse(resp, payload)
                 delta = await gen.__anext__()
         except StopAsyncIteration:
             pass

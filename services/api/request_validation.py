@@ -71,6 +71,7 @@ class CheckedRequest:
     max_tokens_param: str = "max_tokens"  # the field that set params.max_tokens
     messages: list[dict[str, Any]] | None = None  # chat
     add_generation_prompt: bool = True
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats
 
 
 class RequestValidator:
@@ -149,7 +150,7 @@ class RequestValidator:
     def completion(self, body: dict) -> CheckedRequest:
         """A completion body: one prompt (text or token ids) and its sampling. A text
         prompt that cannot fit the context is refused here, before it is tokenized."""
-        stream, include_usage = stream_flags(body)
+        stream, include_usage, continuous = stream_flags(body)
         params = self.sampling_params(body, chat=False)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -165,11 +166,12 @@ class RequestValidator:
         else:
             raise bad("'prompt' must be a non-empty string or list of token ids (batches of "
                       "several prompts are not served)", "prompt")
-        return CheckedRequest(params, stream, include_usage, prompt=prompt)
+        return CheckedRequest(params, stream, include_usage, prompt=prompt,
+                              continuous_usage=continuous)
 
     def chat(self, body: dict) -> CheckedRequest:
         """A chat body: the conversation's shape and its sampling."""
-        stream, include_usage = stream_flags(body)
+        stream, include_usage, continuous = stream_flags(body)
         params = self.sampling_params(body, chat=True)
         messages = checked_messages(body.get("messages"))
         add = (typed(body, "add_generation_prompt", (bool,))
@@ -177,7 +179,8 @@ class RequestValidator:
         param = ("max_completion_tokens" if body.get("max_completion_tokens") is not None
                  else "max_tokens")
         return CheckedRequest(params, stream, include_usage, messages=messages,
-                              add_generation_prompt=add, max_tokens_param=param)
+                              add_generation_prompt=add, max_tokens_param=param,
+                              continuous_usage=continuous)
 
     def check_prompt_text(self, text: str, param: str, room: int = 1) -> None:
         """400 naming ``param`` when ``text`` must become more than max_model_len - room
@@ -223,18 +226,22 @@ def checked_messages(messages: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def stream_flags(body: dict) -> tuple[bool, bool]:
-    """(stream, include_usage); ``stream_options`` is only allowed with ``stream``."""
+def stream_flags(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats); ``stream_options`` is only
+    allowed with ``stream``, and holds only those two booleans."""
     stream = typed(body, "stream", (bool,)) if body.get("stream") is not None else False
     options = body.get("stream_options")
     if options is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
-    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False),
-                                                        bool):
-        raise bad("'stream_options' must be {\"include_usage\": bool}", "stream_options")
-    return stream, bool(options.get("include_usage", False))
+    known = ("include_usage", "continuous_usage_stats")
+    if not isinstance(options, dict) or set(options) - set(known) or not all(
+            isinstance(options.get(k, False), bool) for k in known):
+        raise bad("'stream_options' must be {\"include_usage\": bool, "
+                  "\"continuous_usage_stats\": bool}", "stream_options")
+    return stream, bool(options.get("include_usage", False)), bool(
+        options.get("continuous_usage_stats", False))
 
 
 def check_model(body: dict, served_name: str) -> None:

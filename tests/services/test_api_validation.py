@@ -66,7 +66,7 @@ CASES = [  # (id, path, raw body, status, param)
     ("huge-integer", CMPL, '{"prompt": "x", "n": ' + "9" * 5000 + "}", 400, None),
     ("temperature-string", CMPL, cmpl(temperature="hot"), 400, "temperature"),
     ("n-string", CMPL, cmpl(n="2"), 400, "n"),
-    ("n-float", CMPL, cmpl(n=2.0), 400, "n"),
+    ("n-float", CMPL, cmpl(n=2.5), 400, "n"),
     ("stream-string", CMPL, cmpl(stream="yes"), 400, "stream"),
     ("max-tokens-float", CMPL, cmpl(max_tokens=1.5), 400, "max_tokens"),
     ("seed-bool", CMPL, cmpl(seed=True), 400, "seed"),
