@@ -106,10 +106,10 @@ class APIServer:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         checked = self.validator.completion(await self._body(request))
-        prompt = checked.prompt
 
-        async def tokenize() -> list[int]:  # a text prompt passed the character bound
-            return await self.tokens.encode(prompt) if isinstance(prompt, str) else prompt
+        async def tokenize() -> list[list[int]]:  # text prompts passed the character bound
+            return [await self.tokens.encode(p) if isinstance(p, str) else p
+                    for p in checked.prompts]
 
         with self.admission.admitted():
             return await self._generation(request, checked, chat=False).respond(
@@ -118,10 +118,10 @@ class APIServer:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         checked = self.validator.chat(await self._body(request))
 
-        async def tokenize() -> list[int]:
-            return await self.tokens.encode_chat(
+        async def tokenize() -> list[list[int]]:
+            return [await self.tokens.encode_chat(
                 checked.messages, checked.add_generation_prompt,
-                lambda text: self.validator.check_prompt_text(text, "messages"))
+                lambda text: self.validator.check_prompt_text(text, "messages"))]
 
         with self.admission.admitted():
             return await self._generation(request, checked, chat=True).respond(

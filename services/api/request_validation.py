@@ -46,6 +46,7 @@ class ValidationLimits:
     max_model_len: int
     vocab_size: int
     max_n: int = 16
+    max_batch_prompts: int = 64
     max_stop_strings: int = 16
     max_logprobs: int = 20
     max_stop_string_chars: int = 1024
@@ -55,7 +56,8 @@ class ValidationLimits:
     @classmethod
     def from_config(cls, api: APIConfig, max_model_len: int, vocab_size: int,
                     token_span: TokenSpan | None) -> "ValidationLimits":
-        return cls(max_model_len, vocab_size, api.max_n, api.max_stop_strings,
+        return cls(max_model_len, vocab_size, api.max_n, api.max_batch_prompts,
+                   api.max_stop_strings,
                    api.max_logprobs, api.max_stop_string_chars,
                    min(api.max_stop_token_ids, vocab_size), token_span)
 
@@ -67,7 +69,7 @@ class CheckedRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
-    prompt: str | list[int] | None = None  # completions
+    prompts: list[str | list[int]] | None = None  # completions: texts or token ids
     max_tokens_param: str = "max_tokens"  # the field that set params.max_tokens
     messages: list[dict[str, Any]] | None = None  # chat
     add_generation_prompt: bool = True
@@ -148,13 +150,30 @@ class RequestValidator:
             kwargs["logprobs"] = 0
 
     def completion(self, body: dict) -> CheckedRequest:
-        """A completion body: one prompt (text or token ids) and its sampling. A text
-        prompt that cannot fit the context is refused here, before it is tokenized."""
+        """A completion body: its prompts (one text or token-id list, or a list of them)
+        and their sampling. A text prompt that cannot fit the context is refused here,
+        before it is tokenized."""
         stream, include_usage, continuous = stream_flags(body)
         params = self.sampling_params(body, chat=False)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
+        return CheckedRequest(params, stream, include_usage,
+                              prompts=self._prompts(body.get("prompt")),
+                              continuous_usage=continuous)
+
+    def _prompts(self, prompt: Any) -> list[str | list[int]]:
+        """``prompt`` as a list of prompts: a text, a token-id list, or a non-empty list
+        of either (OpenAI's batch); each checked like a single prompt."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) > self.limits.max_batch_prompts:
+                raise bad(f"'prompt' may hold at most {self.limits.max_batch_prompts} "
+                          f"prompts", "prompt")
+            batch = prompt
+        else:
+            batch = [prompt]
+        for one in batch:
+            self._prompt(one)
+        return batch
+
+    def _prompt(self, prompt: Any) -> None:
         if isinstance(prompt, str):
             if not prompt:
                 raise bad("'prompt' must not be empty", "prompt")
@@ -164,10 +183,8 @@ class RequestValidator:
                 raise bad(_too_many_tokens(len(prompt), self.limits.max_model_len), "prompt")
             self._token_ids(prompt, "prompt")
         else:
-            raise bad("'prompt' must be a non-empty string or list of token ids (batches of "
-                      "several prompts are not served)", "prompt")
-        return CheckedRequest(params, stream, include_usage, prompt=prompt,
-                              continuous_usage=continuous)
+            raise bad("'prompt' must be a non-empty string, a list of token ids, or a "
+                      "non-empty list of those", "prompt")
 
     def chat(self, body: dict) -> CheckedRequest:
         """A chat body: the conversation's shape and its sampling."""

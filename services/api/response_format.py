@@ -20,10 +20,18 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def output_usage(output: RequestOutput) -> dict:
-    """The usage object of a whole request (every sample's tokens)."""
-    return usage(len(output.prompt_token_ids),
-                 sum(len(c.token_ids) for c in output.outputs), output.num_cached_tokens)
+def output_usage(outputs: list[RequestOutput]) -> dict:
+    """The usage object of a whole request (every prompt's, every sample's tokens)."""
+    return usage(sum(len(o.prompt_token_ids) for o in outputs),
+                 sum(len(c.token_ids) for o in outputs for c in o.outputs),
+                 sum(o.num_cached_tokens for o in outputs))
+
+
+def _choices(outputs: list[RequestOutput]):
+    """(choice index, sample) of every sample: sample i of prompt k is k * n + i."""
+    for k, output in enumerate(outputs):
+        for c in output.outputs:
+            yield k * len(output.outputs) + c.index, c
 
 
 def _token(tokenizer, token_id: int) -> str:
@@ -59,22 +67,25 @@ def chat_logprobs(logprobs: list[TokenLogprobs] | None, tokenizer) -> dict | Non
                         for lp in logprobs]}
 
 
-def completion_response(output: RequestOutput, tokenizer, *, req_id, model,
+def completion_response(outputs: list[RequestOutput], tokenizer, *, req_id, model,
                         created) -> dict:
     return {"id": req_id, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": c.index, "text": c.text,
+            "choices": [{"index": index, "text": c.text,
                          "logprobs": completion_logprobs(c.logprobs, tokenizer),
-                         "finish_reason": c.finish_reason} for c in output.outputs],
-            "usage": output_usage(output)}
+                         "finish_reason": c.finish_reason}
+                        for index, c in _choices(outputs)],
+            "usage": output_usage(outputs)}
 
 
-def chat_response(output: RequestOutput, tokenizer, *, req_id, model, created) -> dict:
+def chat_response(outputs: list[RequestOutput], tokenizer, *, req_id, model,
+                  created) -> dict:
     return {"id": req_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": c.index,
+            "choices": [{"index": index,
                          "message": {"role": "assistant", "content": c.text},
                          "logprobs": chat_logprobs(c.logprobs, tokenizer),
-                         "finish_reason": c.finish_reason} for c in output.outputs],
-            "usage": output_usage(output)}
+                         "finish_reason": c.finish_reason}
+                        for index, c in _choices(outputs)],
+            "usage": output_usage(outputs)}
 
 
 def completion_chunk(delta: SampleDelta, tokenizer, *, req_id, model, created) -> dict:
