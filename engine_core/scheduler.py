@@ -151,7 +151,8 @@ class Scheduler:
         tokens (default: the plan's); False, leaving it queued, if it cannot start."""
         budget = plan.token_budget if budget is None else min(budget, plan.token_budget)
         kv = self.kv_cache_manager
-        is_lookup = request.num_computed_tokens == 0
+        # prompt logprobs need every prompt token's logits: no prefix-cache hits
+        is_lookup = request.num_computed_tokens == 0 and not request.wants_prompt_logprobs
         hits, num_hit = kv.get_computed_blocks(request, record_stats=False) if is_lookup \
             else (None, 0)
         num_computed = request.num_computed_tokens + num_hit
@@ -203,6 +204,13 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
+            chunk = mro.prompt_logprobs.get(req_id)
+            if chunk is not None and request.num_output_tokens == 0:
+                # each prompt token counts once: a recompute after preemption adds
+                # only what the request does not hold yet
+                wanted = len(request.prompt_logprobs) + 1
+                if chunk.start <= wanted < chunk.start + len(chunk.logprobs):
+                    request.prompt_logprobs.extend(chunk.logprobs[wanted - chunk.start:])
             # Fork before stop checks: the source may finish (and free) right now.
             self._fork_waiters(request)
             i = position.get(req_id)
@@ -218,6 +226,8 @@ class Scheduler:
         new_ids, status = append_until_stop(request, token_ids, self.max_model_len)
         out = self._make_delta(request, new_ids, is_first)
         out.new_logprobs = logprobs[:len(new_ids)] if logprobs is not None else None
+        if is_first and request.wants_prompt_logprobs and request.index == 0:
+            out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
         if status is not None:
             self._finish(request, status)
             out.finish_reason = request.finish_reason

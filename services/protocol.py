@@ -24,7 +24,7 @@ from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler_output import NewRequestData, SchedulerOutput
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 # The health snapshot's contract between the engine core (publisher) and every API
 # process (reader): pushed at most every PUBLISH interval when it changed and at least
@@ -188,8 +188,8 @@ def _to_plain(value: Any) -> Any:
         if set(map(type, value)) <= _PLAIN_SCALARS:
             return value if type(value) is list else list(value)
         return [_to_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, dict):  # msgpack maps take string keys: ints travel as text
+        return {str(k) if type(k) is int else k: _to_plain(v) for k, v in value.items()}
     return value
 
 
@@ -225,7 +225,7 @@ def _from_plain(value: Any, tp: Any, where: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ProtocolError(f"{where}: expected a map")
-        return {_from_plain(k, args[0], where): _from_plain(v, args[1], f"{where}.{k}")
+        return {_key(k, args[0], where): _from_plain(v, args[1], f"{where}.{k}")
                 for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         return _dataclass_from_plain(value, tp, where)
@@ -235,6 +235,16 @@ def _from_plain(value: Any, tp: Any, where: str) -> Any:
         except ValueError:
             raise ProtocolError(f"{where}: {value!r} is not a {tp.__name__}") from None
     return _scalar(value, tp, where)
+
+
+def _key(key: Any, tp: Any, where: str) -> Any:
+    """A map key: an ``int`` key arrives as its decimal text (see ``_to_plain``)."""
+    if tp is int and isinstance(key, str):
+        try:
+            return int(key)
+        except ValueError:
+            raise ProtocolError(f"{where}: key {key[:20]!r} is not an integer") from None
+    return _from_plain(key, tp, where)
 
 
 def _scalar(value: Any, tp: type, where: str) -> Any:

@@ -12,7 +12,7 @@ in one int64 copy and the attention metadata in one int32 copy.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,6 +36,8 @@ class InputBatch:
     sampling_states: list[CachedRequestState]  # the S requests, in logits order
     query_start_loc: list[int]
     seq_lens: list[int]
+    # every scheduled request in batch order (row i spans query_start_loc[i:i + 2])
+    scheduled_states: list[CachedRequestState] = field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:
@@ -102,4 +104,4 @@ def build_input_batch(states: list[CachedRequestState], num_scheduled: list[int]
         input_ids=input_ids, positions=positions,
         attn=AttentionContext(slot_mapping=slot_mapping, plan=plan),
         logits_indices=logits_indices, sampling_states=sampling_states,
-        query_start_loc=query_start_loc, seq_lens=seq_lens)
+        query_start_loc=query_start_loc, seq_lens=seq_lens, scheduled_states=states)

@@ -17,6 +17,7 @@ from worker.input_batch import InputBatch, build_input_batch
 from worker.kv_cache import KVCacheSpec, allocate_kv_cache, copy_blocks
 from worker.loader import load_model
 from worker.models.registry import build_model
+from worker.prompt_logprobs import compute_prompt_logprobs
 from worker.request_state import CachedRequestState, make_generator
 from worker.sampler import Sampler
 from worker.sampling_metadata import SamplingMetadata
@@ -216,6 +217,8 @@ class ModelRunner:
         t1 = time.perf_counter()
         timing.prepare_seconds = t1 - t0
         hidden = self.forward(batch)
+        prompt_logprobs = (compute_prompt_logprobs(self.model, hidden, batch) if any(
+            s.sampling_params.prompt_logprobs is not None for s in states) else {})
         for state, n in zip(states, (so.num_scheduled_tokens[r] for r in req_ids)):
             state.num_computed_tokens += n
         sampling = batch.sampling_states
@@ -224,11 +227,12 @@ class ModelRunner:
         t2 = time.perf_counter()
         timing.forward_seconds = t2 - t1
         if not sampling:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         token_list, logprobs = self.sample(sampling, logits)
         for state, token in zip(sampling, token_list):
             state.token_ids.append(token)
         timing.sample_seconds = time.perf_counter() - t2
         return ModelRunnerOutput(req_ids=[s.req_id for s in sampling],
                                  sampled_token_ids=[[t] for t in token_list],
-                                 logprobs=[[lp] if lp is not None else None for lp in logprobs])
+                                 logprobs=[[lp] if lp is not None else None for lp in logprobs],
+                                 prompt_logprobs=prompt_logprobs)

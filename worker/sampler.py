@@ -116,6 +116,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata
                  ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
         raw = logits
+        if md.logit_bias is not None:  # OpenAI's logit_bias: added before anything else
+            logits = logits.index_put(md.logit_bias[:2], md.logit_bias[2], accumulate=True)
         for row, banned in md.min_tokens_stop_ids.items():
             logits = logits.clone() if logits is raw else logits
             logits[row, banned] = float("-inf")

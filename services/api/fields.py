@@ -20,12 +20,11 @@ _BOUND_NAMES = {INT64_MAX: "2^63-1", INT64_MIN: "-2^63"}
 # Fields OpenAI defines that Folio does not serve: absent, null or one of these values
 # (same type, same value) is accepted; anything else asks for something not served.
 REFUSED: dict[str, tuple] = {
-    "echo": (False,), "suffix": ("",), "logit_bias": ({},), "tools": ([],),
+    "suffix": ("",), "tools": ([],),
     "tool_choice": ("none", "auto"), "best_of": (1,), "cache_salt": (),
     "response_format": ({"type": "text"},),
     # vLLM's extensions not served yet: refused, never silently ignored
-    "prompt_logprobs": (), "return_token_ids": (False,),
-    "return_tokens_as_token_ids": (False,), "truncate_prompt_tokens": (),
+    "truncate_prompt_tokens": (),
     "truncation_side": (), "continue_final_message": (False,)}
 
 

@@ -25,6 +25,7 @@ from aiohttp import web
 from observability.logging import get_logger
 from services.api.engine_client import EngineDead, QueueFull
 from services.api.openai_protocol import bad, unavailable
+from services.api.completion_choices import CompletionChoices
 from services.api.queue_merge import MergedQueues
 from services.api.request_trace import RequestTrace
 from services.api.request_validation import CheckedRequest, RequestValidator
@@ -55,6 +56,7 @@ class Generation:
     tenant_weight: float = 1.0
     created: int = field(default_factory=lambda: int(time.time()))
     states: list[RequestState] = field(default_factory=list)  # one per prompt
+    choices: CompletionChoices | None = None  # completions: renders the choices
 
     @classmethod
     def start(cls, request: web.Request, checked: CheckedRequest, chat: bool,
@@ -111,6 +113,17 @@ class Generation:
     def outputs(self) -> list[RequestOutput]:
         """Each prompt's output so far, in prompt order."""
         return [state.output for state in self.states]
+
+    def _choices(self) -> CompletionChoices:
+        if self.choices is None:
+            self.choices = CompletionChoices(
+                self.tokenizer, self.checked.options,
+                [p if isinstance(p, str) else None for p in self.checked.prompts or []],
+                self.checked.params.skip_special_tokens)
+        return self.choices
+
+    def _usage(self) -> dict:
+        return output_usage(self.outputs, count_output=not self.checked.options.discard_output)
 
     def _sub_id(self, k: int, num_prompts: int) -> str:
         return self.req_id if num_prompts == 1 else f"{self.req_id}-{k}"
@@ -173,8 +186,9 @@ class Generation:
             async for _ in deltas:
                 if request.transport is None or request.transport.is_closing():
                     break  # the client hung up
-        render = chat_response if self.chat else completion_response
-        return render(self.outputs, self.tokenizer, **self._format())
+        if self.chat:
+            return chat_response(self.outputs, self.tokenizer, self.checked, **self._format())
+        return completion_response(self._choices(), self.outputs, **self._format())
 
     async def _stream(self, request: web.Request,
                       prompts: list[list[int]]) -> web.StreamResponse:
@@ -190,18 +204,19 @@ class Generation:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        fmt, chunk = self._format(), chat_chunk if self.chat else completion_chunk
+        fmt = self._format()
         try:
             if self.chat:
                 for i in range(self.checked.params.n):
                     await _sse(resp, chat_chunk(SampleDelta(i, "", []), self.tokenizer,
-                                                role=True, **fmt))
+                                                self.checked, self.outputs[0], role=True,
+                                                **fmt))
             delta = first_delta
             while True:
-                if delta.text or delta.finish_reason or delta.token_ids:
-                    payload = chunk(delta, self.tokenizer, **fmt)
+                payload = self._chunk(delta, fmt)
+                if payload is not None:
                     if self.checked.continuous_usage:  # the request's usage so far
-                        payload["usage"] = output_usage(self.outputs)
+                        payload["usage"] = self._usage()
                     await _sse(resp, payload)
                 delta = await gen.__anext__()
         except StopAsyncIteration:
@@ -215,9 +230,20 @@ class Generation:
             await _sse(resp, {"id": self.req_id, "object": "chat.completion.chunk"
                               if self.chat else "text_completion", "created": self.created,
                               "model": self.model_name, "choices": [],
-                              "usage": output_usage(self.outputs)})
+                              "usage": self._usage()})
         await resp.write(b"data: [DONE]\n\n")
         return resp
+
+
+    def _chunk(self, delta: SampleDelta, fmt: dict) -> dict | None:
+        """The stream event of one delta; None when it shows nothing."""
+        if self.chat:
+            if delta.text or delta.finish_reason or delta.token_ids:
+                return chat_chunk(delta, self.tokenizer, self.checked, self.outputs[0], **fmt)
+            return None
+        k = delta.index // self.checked.params.n
+        choices = self._choices().chunk(delta, k, self.outputs[k])
+        return completion_chunk(choices, **fmt) if choices else None
 
 
 async def _sse(resp: web.StreamResponse, payload: dict) -> None:

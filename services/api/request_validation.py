@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from config.schema import APIConfig
-from engine_core.sampling_params import InvalidRequestError, SamplingParams
+from engine_core.sampling_params import MAX_LOGIT_BIAS, InvalidRequestError, SamplingParams
+from services.api.completion_choices import ResponseOptions
 from services.api.fields import INT64, NUMBER, Range, check_refused, token_ids, typed
 from services.api.openai_protocol import APIError, bad
 from text.chat_template import ChatTemplateError, validate_messages
@@ -74,6 +75,7 @@ class CheckedRequest:
     messages: list[dict[str, Any]] | None = None  # chat
     add_generation_prompt: bool = True
     continuous_usage: bool = False  # stream_options.continuous_usage_stats
+    options: ResponseOptions = ResponseOptions()  # what the answer shows
 
 
 class RequestValidator:
@@ -100,6 +102,10 @@ class RequestValidator:
         for key in ("max_tokens", "max_completion_tokens")[:1 + chat]:
             if body.get(key) is not None:
                 kwargs["max_tokens"] = typed(body, key, (int,), Range(1, INT64.hi))
+        if body.get("prompt_logprobs") is not None:
+            kwargs["prompt_logprobs"] = self._prompt_logprobs(body)
+        if body.get("logit_bias") is not None:
+            kwargs["logit_bias"] = self._logit_bias(body["logit_bias"]) or None
         if body.get("min_tokens") is not None:
             kwargs["min_tokens"] = typed(body, "min_tokens", (int,),
                                          Range(0, lim.max_model_len))
@@ -115,6 +121,44 @@ class RequestValidator:
             return SamplingParams(**kwargs)
         except InvalidRequestError as e:
             raise bad(str(e), e.param) from None
+
+    def _logit_bias(self, bias: Any) -> dict[int, float]:
+        """OpenAI's ``{"token id": bias}``: ids in the vocabulary, biases in [-100, 100]."""
+        vocab = self.limits.vocab_size
+        if not isinstance(bias, dict):
+            raise bad("'logit_bias' must map token ids to numbers", "logit_bias")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise bad(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+        checked = {}
+        for key, value in bias.items():
+            if not (key.isascii() and key.isdigit()) or len(key) > 12:
+                raise bad(f"'logit_bias' keys must be token ids, got {key[:20]!r}",
+                          "logit_bias")
+            token_id = int(key)
+            if token_id >= vocab:
+                raise bad(f"'logit_bias' holds token id {token_id}, outside the vocabulary "
+                          f"of {vocab} tokens (ids 0 to {vocab - 1})", "logit_bias")
+            checked[token_id] = typed({"logit_bias": value}, "logit_bias", NUMBER,
+                                      Range(-100.0, 100.0))
+        return checked
+
+    def _prompt_logprobs(self, body: dict) -> int:
+        top = typed(body, "prompt_logprobs", (int,), Range(-1, self.limits.max_logprobs))
+        if top == -1:
+            raise bad("'prompt_logprobs' -1 (the whole vocabulary at every prompt "
+                      f"position) is not served; ask for at most {self.limits.max_logprobs}",
+                      "prompt_logprobs")
+        return top
+
+    def _options(self, body: dict, params: SamplingParams, echo: bool,
+                 discard_output: bool) -> ResponseOptions:
+        flags = {key: typed(body, key, (bool,)) if body.get(key) is not None else False
+                 for key in ("return_token_ids", "return_tokens_as_token_ids")}
+        return ResponseOptions(echo=echo, discard_output=discard_output,
+                               num_logprobs=params.logprobs,
+                               num_prompt_logprobs=params.prompt_logprobs,
+                               return_token_ids=flags["return_token_ids"],
+                               tokens_as_token_ids=flags["return_tokens_as_token_ids"])
 
     def _stop(self, stop: Any) -> list[str]:
         """One string or a bounded list of them, each non-empty and bounded: one pass."""
@@ -152,12 +196,21 @@ class RequestValidator:
     def completion(self, body: dict) -> CheckedRequest:
         """A completion body: its prompts (one text or token-id list, or a list of them)
         and their sampling. A text prompt that cannot fit the context is refused here,
-        before it is tokenized."""
+        before it is tokenized. ``echo`` with ``max_tokens`` 0 runs one token and shows
+        none (services/api/completion_choices.py)."""
         stream, include_usage, continuous = stream_flags(body)
-        params = self.sampling_params(body, chat=False)
+        echo = typed(body, "echo", (bool,)) if body.get("echo") is not None else False
+        discard = echo and body.get("max_tokens") is not None and typed(
+            body, "max_tokens", (int,)) == 0
+        params = self.sampling_params({**body, "max_tokens": 1} if discard else body,
+                                      chat=False)
+        options = self._options(body, params, echo, discard)
+        if echo and params.logprobs is not None:  # the prompt's own tokens get scored
+            params = params.clone(prompt_logprobs=max(params.logprobs,
+                                                      params.prompt_logprobs or 0))
         return CheckedRequest(params, stream, include_usage,
                               prompts=self._prompts(body.get("prompt")),
-                              continuous_usage=continuous)
+                              continuous_usage=continuous, options=options)
 
     def _prompts(self, prompt: Any) -> list[str | list[int]]:
         """``prompt`` as a list of prompts: a text, a token-id list, or a non-empty list
@@ -190,6 +243,8 @@ class RequestValidator:
         """A chat body: the conversation's shape and its sampling."""
         stream, include_usage, continuous = stream_flags(body)
         params = self.sampling_params(body, chat=True)
+        echo = typed(body, "echo", (bool,)) if body.get("echo") is not None else False
+        options = self._options(body, params, echo, False)
         messages = checked_messages(body.get("messages"))
         add = (typed(body, "add_generation_prompt", (bool,))
                if body.get("add_generation_prompt") is not None else True)
@@ -197,7 +252,7 @@ class RequestValidator:
                  else "max_tokens")
         return CheckedRequest(params, stream, include_usage, messages=messages,
                               add_generation_prompt=add, max_tokens_param=param,
-                              continuous_usage=continuous)
+                              continuous_usage=continuous, options=options)
 
     def check_prompt_text(self, text: str, param: str, room: int = 1) -> None:
         """400 naming ``param`` when ``text`` must become more than max_model_len - room
