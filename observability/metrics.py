@@ -37,21 +37,22 @@ class _RequestClock:
 class EngineMetrics:
     """Every engine-side metric; ``render()`` gives the Prometheus text."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, prefix: str = PREFIX.rstrip(":")):
         self.registry = CollectorRegistry()
+        name_prefix = prefix + ":"  # observability.metrics_prefix: "vllm" for vLLM's dashboards
         labels = {"model_name": model_name}
         self._labels = labels
         r = self.registry
         names = ["model_name"]
 
         def gauge(name, doc):
-            return Gauge(PREFIX + name, doc, names, registry=r).labels(**labels)
+            return Gauge(name_prefix + name, doc, names, registry=r).labels(**labels)
 
         def counter(name, doc):
-            return Counter(PREFIX + name, doc, names, registry=r).labels(**labels)
+            return Counter(name_prefix + name, doc, names, registry=r).labels(**labels)
 
         def histogram(name, doc, buckets):
-            return Histogram(PREFIX + name, doc, names, buckets=buckets,
+            return Histogram(name_prefix + name, doc, names, buckets=buckets,
                              registry=r).labels(**labels)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the batch")
@@ -64,7 +65,7 @@ class EngineMetrics:
         self.num_preemptions = counter("num_preemptions", "Preemptions (by recompute)")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
-        self._success = Counter(PREFIX + "request_success", "Finished requests by reason",
+        self._success = Counter(name_prefix + "request_success", "Finished requests by reason",
                                 names + ["finished_reason"], registry=r)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token",
                               _LATENCY_BUCKETS)

@@ -32,6 +32,7 @@ from services.api.request_body import check_declared_size, parse_json_object, re
 from services.api.request_validation import RequestValidator, ValidationLimits, check_model
 from services.api.token_routes import TokenRoutes
 from services.api.tokenizer_pool import TokenizerPool
+from services.api.vllm_routes import VLLMRoutes
 from text.tokenizer import Tokenizer
 
 VERSION = "0.1.0"
@@ -84,6 +85,7 @@ class APIServer:
                               ("/metrics", self.metrics)):
             app.router.add_get(path, handler, expect_handler=expect)
         TokenRoutes(self.tokens, self.validator, self._body).add_to(app.router, expect)
+        VLLMRoutes(self).add_to(app.router, expect)
         return app
 
     async def _close(self, app: web.Application) -> None:
@@ -104,8 +106,10 @@ class APIServer:
                                 cache_salt=request.get(CACHE_SALT), tenant=tenant,
                                 tenant_weight=self.api.tenant_weights.get(tenant, 1.0))
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        checked = self.validator.completion(await self._body(request))
+    async def completions(self, request: web.Request,
+                          body: dict | None = None) -> web.StreamResponse:
+        checked = self.validator.completion(body if body is not None
+                                            else await self._body(request))
 
         async def tokenize() -> list[list[int]]:  # text prompts passed the character bound
             return [await self.tokens.encode(p) if isinstance(p, str) else p
@@ -115,8 +119,10 @@ class APIServer:
             return await self._generation(request, checked, chat=False).respond(
                 request, tokenize)
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        checked = self.validator.chat(await self._body(request))
+    async def chat_completions(self, request: web.Request,
+                               body: dict | None = None) -> web.StreamResponse:
+        checked = self.validator.chat(body if body is not None
+                                      else await self._body(request))
 
         async def tokenize() -> list[list[int]]:
             return [await self.tokens.encode_chat(
@@ -127,10 +133,12 @@ class APIServer:
             return await self._generation(request, checked, chat=True).respond(
                 request, tokenize)
 
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "folio",
+                "max_model_len": self.max_model_len}
+
     async def models(self, request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": 0, "owned_by": "folio",
-            "max_model_len": self.max_model_len}]})
+        return web.json_response({"object": "list", "data": [self.model_card()]})
 
     async def health(self, request) -> web.Response:
         """200 from the engine core's latest pushed snapshot (a probe never reaches the

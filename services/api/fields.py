@@ -24,8 +24,7 @@ REFUSED: dict[str, tuple] = {
     "tool_choice": ("none", "auto"), "best_of": (1,), "cache_salt": (),
     "response_format": ({"type": "text"},),
     # vLLM's extensions not served yet: refused, never silently ignored
-    "truncate_prompt_tokens": (),
-    "truncation_side": (), "continue_final_message": (False,)}
+    "continue_final_message": (False,)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,7 +86,7 @@ class Generation:
                 params = self.checked.params
                 with self.trace.tokenize():
                     prompts = [self.validator.check_prompt_ids(
-                        ids, params, self.checked.max_tokens_param)
+                        self.checked.truncated(ids), params, self.checked.max_tokens_param)
                         for ids in await tokenize()]
                 num_prompt_tokens = sum(map(len, prompts))
                 log.info("request received", operation=self.operation,

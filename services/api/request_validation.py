@@ -76,6 +76,15 @@ class CheckedRequest:
     add_generation_prompt: bool = True
     continuous_usage: bool = False  # stream_options.continuous_usage_stats
     options: ResponseOptions = ResponseOptions()  # what the answer shows
+    truncate_prompt_tokens: int | None = None  # keep at most this many prompt tokens
+    truncation_side: str = "left"  # "left": keep the prompt's end; "right": its start
+
+    def truncated(self, ids: list[int]) -> list[int]:
+        """The prompt's ids as ``truncate_prompt_tokens`` and ``truncation_side`` say."""
+        keep = self.truncate_prompt_tokens
+        if keep is None or len(ids) <= keep:
+            return ids
+        return ids[-keep:] if self.truncation_side == "left" else ids[:keep]
 
 
 class RequestValidator:
@@ -208,11 +217,31 @@ class RequestValidator:
         if echo and params.logprobs is not None:  # the prompt's own tokens get scored
             params = params.clone(prompt_logprobs=max(params.logprobs,
                                                       params.prompt_logprobs or 0))
+        keep, side = self._truncation(body)
         return CheckedRequest(params, stream, include_usage,
-                              prompts=self._prompts(body.get("prompt")),
-                              continuous_usage=continuous, options=options)
+                              prompts=self._prompts(body.get("prompt"), keep is None),
+                              continuous_usage=continuous, options=options,
+                              truncate_prompt_tokens=keep, truncation_side=side)
 
-    def _prompts(self, prompt: Any) -> list[str | list[int]]:
+    def _truncation(self, body: dict) -> tuple[int | None, str]:
+        """vLLM's ``truncate_prompt_tokens`` (-1: the context less one token for the
+        output) and ``truncation_side``."""
+        keep, side = None, "left"
+        if body.get("truncate_prompt_tokens") is not None:
+            keep = typed(body, "truncate_prompt_tokens", (int,),
+                         Range(-1, self.limits.max_model_len - 1))
+            if keep == 0:
+                raise bad("'truncate_prompt_tokens' must be -1 or at least 1",
+                          "truncate_prompt_tokens")
+            keep = self.limits.max_model_len - 1 if keep == -1 else keep
+        if body.get("truncation_side") is not None:
+            side = typed(body, "truncation_side", (str,))
+            if side not in ("left", "right"):
+                raise bad("'truncation_side' must be \"left\" or \"right\"",
+                          "truncation_side")
+        return keep, side
+
+    def _prompts(self, prompt: Any, bound_text: bool = True) -> list[str | list[int]]:
         """``prompt`` as a list of prompts: a text, a token-id list, or a non-empty list
         of either (OpenAI's batch); each checked like a single prompt."""
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -223,16 +252,19 @@ class RequestValidator:
         else:
             batch = [prompt]
         for one in batch:
-            self._prompt(one)
+            self._prompt(one, bound_text)
         return batch
 
-    def _prompt(self, prompt: Any) -> None:
+    def _prompt(self, prompt: Any, bound_text: bool) -> None:
+        """``bound_text`` False (truncation asked for): a long prompt is cut, not refused
+        (the body's size still bounds the work)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise bad("'prompt' must not be empty", "prompt")
-            self.check_prompt_text(prompt, "prompt")
+            if bound_text:
+                self.check_prompt_text(prompt, "prompt")
         elif isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list)):
-            if len(prompt) >= self.limits.max_model_len:  # before touching each element
+            if bound_text and len(prompt) >= self.limits.max_model_len:
                 raise bad(_too_many_tokens(len(prompt), self.limits.max_model_len), "prompt")
             self._token_ids(prompt, "prompt")
         else:
@@ -245,6 +277,7 @@ class RequestValidator:
         params = self.sampling_params(body, chat=True)
         echo = typed(body, "echo", (bool,)) if body.get("echo") is not None else False
         options = self._options(body, params, echo, False)
+        keep, side = self._truncation(body)
         messages = checked_messages(body.get("messages"))
         add = (typed(body, "add_generation_prompt", (bool,))
                if body.get("add_generation_prompt") is not None else True)
@@ -252,7 +285,8 @@ class RequestValidator:
                  else "max_tokens")
         return CheckedRequest(params, stream, include_usage, messages=messages,
                               add_generation_prompt=add, max_tokens_param=param,
-                              continuous_usage=continuous, options=options)
+                              continuous_usage=continuous, options=options,
+                              truncate_prompt_tokens=keep, truncation_side=side)
 
     def check_prompt_text(self, text: str, param: str, room: int = 1) -> None:
         """400 naming ``param`` when ``text`` must become more than max_model_len - room

@@ -29,7 +29,7 @@ class EngineObserver:
 
     def __init__(self, config: FolioConfig, model_name: str, tracing: Tracing | None = None):
         obs = config.observability
-        self.metrics = EngineMetrics(model_name) if obs.enable_metrics else None
+        self.metrics = EngineMetrics(model_name, obs.metrics_prefix) if obs.enable_metrics else None
         self.tracer = (EngineTracer(tracing.tracer, obs.trace_step_detail)
                        if tracing is not None and tracing.enabled else None)
         self._ids: dict[str, _RequestIds] = {}  # sample id → ids for log lines

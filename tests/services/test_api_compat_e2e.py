@@ -138,3 +138,24 @@ def test_logprobs_0_includes_the_sampled_token_and_tokens_as_ids(stack):
                                   choice.logprobs.token_logprobs):
             assert top == {token: lp}
     asyncio.run(main())
+
+
+def test_logit_bias_forces_and_bans_a_token(stack):
+    async def main():
+        c = client(stack)
+        forced = await c.completions.create(model=MODEL, prompt=TEXTS[0], max_tokens=4,
+                                            temperature=0, logit_bias={"1234": 100},
+                                            extra_body={"return_token_ids": True})
+        assert forced.choices[0].model_extra["token_ids"] == [1234] * 4
+        plain = await c.completions.create(model=MODEL, prompt=TEXTS[0], max_tokens=1,
+                                           temperature=0, extra_body={
+                                               "return_token_ids": True})
+        top = plain.choices[0].model_extra["token_ids"][0]
+        banned = await c.completions.create(model=MODEL, prompt=TEXTS[0], max_tokens=1,
+                                            temperature=0, logit_bias={str(top): -100},
+                                            extra_body={"return_token_ids": True})
+        assert banned.choices[0].model_extra["token_ids"][0] != top
+        with pytest.raises(openai.BadRequestError) as e:
+            await c.completions.create(model=MODEL, prompt="x", logit_bias={"49152": 1})
+        assert "49152" in str(e.value) and "vocabulary" in str(e.value)
+    asyncio.run(main())

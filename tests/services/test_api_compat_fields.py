@@ -20,7 +20,10 @@ CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 HI = [{"role": "user", "content": "Hi"}]
 REFUSED = [  # (route, field, a value that asks for something not served)
     (CMPL, "suffix", "tail"), (CMPL, "best_of", 2), (CHAT, "tools", [{"type": "function"}]),
-    (CHAT, "tool_choice", "required"),
+    (CHAT, "tool_choice", "required"), (CHAT, "continue_final_message", True),
+    (CMPL, "prompt_logprobs", -1), (CMPL, "truncate_prompt_tokens", 0),
+    (CHAT, "truncation_side", "middle"), (CMPL, "return_token_ids", 1),
+    (CHAT, "echo", "yes"), (CMPL, "logit_bias", {"49152": 1}),
 ]
 
 
@@ -104,4 +107,24 @@ def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(smollm_toke
                 status, body = await _post(s, url, CMPL, _body(
                     CMPL, stream=True, stream_options={"typo_usage": True}))
                 assert status == 400 and body["error"]["param"] == "stream_options"
+    asyncio.run(main())
+
+
+def test_truncate_prompt_tokens_keeps_the_side_asked_for(smollm_tokenizer):
+    async def main():
+        async with api_server(smollm_tokenizer) as (url, engine):
+            async with aiohttp.ClientSession() as s:
+                prompt = list(range(100, 110))
+                for side in (None, "left", "right"):
+                    extra = {"truncation_side": side} if side else {}
+                    status, body = await _post(s, url, CMPL, _body(
+                        CMPL, prompt=prompt, max_tokens=1, truncate_prompt_tokens=3, **extra))
+                    assert status == 200, body
+                    assert body["usage"]["prompt_tokens"] == 3
+                status, _ = await _post(s, url, CHAT, _body(
+                    CHAT, max_tokens=1, truncate_prompt_tokens=2))
+                assert status == 200
+            got = [ids for _, ids, _, _ in engine.added]
+            assert got[:3] == [prompt[-3:], prompt[-3:], prompt[:3]]
+            assert len(got[3]) == 2
     asyncio.run(main())
