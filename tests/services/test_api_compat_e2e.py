@@ -40,11 +40,13 @@ def client(stack) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=stack.url + "/v1", api_key="none", max_retries=0)
 
 
-def _check_offsets(choice):
+def _check_offsets(choice, num_prompt_tokens):
     lp = choice.logprobs
     offsets, text = lp.text_offset, choice.text
     assert len(offsets) == len(lp.tokens) and offsets == sorted(offsets)
-    for i, token in enumerate(lp.tokens):  # ASCII prompts: each token is its own text
+    # ASCII prompts: each prompt token is its own text (a random model's sampled token
+    # may be special or half a character, so only its start is checked)
+    for i, token in enumerate(lp.tokens[:num_prompt_tokens]):
         end = offsets[i + 1] if i + 1 < len(offsets) else len(text)
         assert text[offsets[i]:end] == token, (i, token)
 
@@ -68,7 +70,7 @@ def test_batched_echo_with_logprobs_max_tokens_0_and_1(stack, offline):
                 assert all(len(top) >= 1 for top in lp.top_logprobs[1:])
                 if max_tokens == 0:
                     assert choice.text == text and choice.finish_reason == "length"
-                _check_offsets(choice)
+                _check_offsets(choice, len(ids))
             assert r.usage.prompt_tokens == prompt_tokens
             assert r.usage.completion_tokens == 3 * max_tokens
     asyncio.run(main())
