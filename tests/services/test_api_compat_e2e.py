@@ -32,8 +32,12 @@ def stack(tiny_llama_dir, default_model_path, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def offline(make_tiny_llm):
-    return make_tiny_llm(max_model_len=1024)
+def offline(tiny_llama_dir, default_model_path):
+    """The offline LLM on the stack's checkpoint and settings."""
+    from folio import LLM
+    return LLM(model=str(tiny_llama_dir), tokenizer=str(default_model_path),
+               dtype="float32", max_model_len=1024, num_blocks=256, block_size=16,
+               **{"observability.log_level": "warning"})
 
 
 def client(stack) -> openai.AsyncOpenAI:
