@@ -164,8 +164,12 @@ class ObservabilityConfig:
                                 "for prefill, one for decode; +0.4%), measured by "
                                 "benchmarks/tracing_overhead.py")
     enable_metrics: bool = _f(True, "serve Prometheus metrics at the API's /metrics")
+    metrics_prefix: str = _f("folio", "engine metric names start '<prefix>:' ('vllm' for "
+                             "dashboards made for vLLM)")
 
     def __post_init__(self):
+        _check(self.metrics_prefix.isidentifier(), "observability.metrics_prefix",
+               "must be a name of letters, digits and underscores")
         _check(self.log_level in LOG_LEVELS, "observability.log_level",
                f"must be one of {LOG_LEVELS}")
         _check(self.log_format in LOG_FORMATS, "observability.log_format",

@@ -73,6 +73,8 @@ class APIConfig:
                                "beyond)")
     max_headers: int = _f(100, "most header fields in one request (431 beyond)")
     max_n: int = _f(16, "most samples one request may ask for ('n')")
+    max_batch_prompts: int = _f(64, "most prompts one /v1/completions request may hold (a "
+                                "list of texts or of token-id lists)")
     max_stop_strings: int = _f(ENGINE_MAX_STOP_STRINGS, "most stop strings per request "
                                f"(at most {ENGINE_MAX_STOP_STRINGS})")
     max_logprobs: int = _f(ENGINE_MAX_LOGPROBS, "most top logprobs per token (at most "
@@ -117,6 +119,7 @@ class APIConfig:
         _check(self.max_header_bytes >= 256, "api.max_header_bytes", "must be at least 256")
         _check(self.max_headers >= 8, "api.max_headers", "must be at least 8")
         _check(self.max_n >= 1, "api.max_n", "must be at least 1")
+        _check(self.max_batch_prompts >= 1, "api.max_batch_prompts", "must be at least 1")
         _check(1 <= self.max_stop_strings <= ENGINE_MAX_STOP_STRINGS, "api.max_stop_strings",
                f"must be in 1..{ENGINE_MAX_STOP_STRINGS}")
         _check(0 <= self.max_logprobs <= ENGINE_MAX_LOGPROBS, "api.max_logprobs",

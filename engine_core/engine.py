@@ -159,6 +159,8 @@ class EngineCore:
         params = sampling_params if sampling_params is not None else SamplingParams()
         params.validate()
         self._check_vocabulary(params.stop_token_ids, "stop_token_ids")
+        if params.logit_bias:
+            self._check_vocabulary(frozenset(params.logit_bias), "logit_bias")
         self._validate_prompt(prompt)
         _validate_tenant(tenant, tenant_weight)
         if not isinstance(lora_id, int) or isinstance(lora_id, bool) or lora_id < 0:

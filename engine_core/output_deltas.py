@@ -24,6 +24,8 @@ def append_tokens(request: Request, token_ids: list[int],
     new_ids, status = append_until_stop(request, token_ids, max_model_len)
     out = make_delta(request, new_ids, is_first)
     out.new_logprobs = logprobs[:len(new_ids)] if logprobs is not None else None
+    if is_first and request.wants_prompt_logprobs and request.index == 0:
+        out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, []
     if status is not None:
         out.stop_reason = request.stop_reason
     return out, status

@@ -35,6 +35,17 @@ class TokenLogprobs:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """Logprobs of a run of prompt tokens, computed by one step's prefill chunk.
+
+    ``logprobs[j]`` is prompt token ``start + j`` given the tokens before it; the first
+    prompt token has none, so ``start`` is at least 1."""
+
+    start: int
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class ModelRunnerOutput:
     """Tokens sampled in one step, for the requests whose computed tokens reached the
     end of their known tokens (a partial prefill chunk samples nothing).
@@ -48,6 +59,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
     structured_output: StructuredOutputReport | None = None
+    # req_id → its prompt tokens' logprobs computed this step (prompt_logprobs set)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -62,6 +75,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     parent_req_id: str | None = None  # set on the samples of an n > 1 request
     index: int = 0  # which sample of its parent this is
+    # on the first output of sample 0 when prompt_logprobs is set: prompt tokens 1.. N-1
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

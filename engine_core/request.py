@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine_core.outputs import FinishReason
+from engine_core.outputs import FinishReason, TokenLogprobs
 from engine_core.sampling_params import SamplingParams
 from engine_core.worker_sampling import WorkerSamplingParams
 
@@ -87,6 +87,8 @@ class Request:
     num_computed_tokens: int = field(default=0, init=False)
     num_cached_tokens: int = field(default=-1, init=False)
     num_preemptions: int = field(default=0, init=False)
+    # prompt_logprobs set: prompt tokens 1.. computed so far, sent with the first output
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list, init=False)
     # Chained hashes of the full blocks of all_token_ids, grown by block_hash.py.
     block_hashes: list[bytes] = field(default_factory=list, init=False)
     stop_reason: int | str | None = field(default=None, init=False)
@@ -131,6 +133,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Every prompt token must be computed here (no prefix-cache hit) and its
+        logprob kept until the first output."""
+        return self.sampling_params.prompt_logprobs is not None
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         """Record sampled tokens (they are then known but not yet computed)."""

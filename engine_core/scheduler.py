@@ -181,7 +181,8 @@ class Scheduler:
             return False
         budget = plan.token_budget if budget is None else min(budget, plan.token_budget)
         kv = self.kv_cache_manager
-        is_lookup = request.num_computed_tokens == 0
+        # prompt logprobs need every prompt token's logits: no prefix-cache hits
+        is_lookup = request.num_computed_tokens == 0 and not request.wants_prompt_logprobs
         hits, num_hit = kv.get_computed_blocks(request, record_stats=False) if is_lookup \
             else (None, 0)
         num_computed = request.num_computed_tokens + num_hit
@@ -239,6 +240,13 @@ class Scheduler:
                 continue
             if req_id in deferred:  # its grammar is compiling: compute the token again
                 request.num_computed_tokens -= 1
+            chunk = mro.prompt_logprobs.get(req_id)
+            if chunk is not None and request.num_output_tokens == 0:
+                # each prompt token counts once: a recompute after preemption adds
+                # only what the request does not hold yet
+                wanted = len(request.prompt_logprobs) + 1
+                if chunk.start <= wanted < chunk.start + len(chunk.logprobs):
+                    request.prompt_logprobs.extend(chunk.logprobs[wanted - chunk.start:])
             i = position.get(req_id)
             sampled = mro.sampled_token_ids[i] if i is not None else []
             if req_id in scheduler_output.num_spec_tokens:

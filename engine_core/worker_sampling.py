@@ -36,6 +36,9 @@ class WorkerSamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()  # empty unless min_tokens > 0
     grammar: GrammarSpec | None = None
+    prompt_logprobs: int | None = None  # top logprobs per prompt token; None: none
+    logit_bias_ids: tuple[int, ...] = ()  # logit_bias as two columns: token ids ...
+    logit_bias_values: tuple[float, ...] = ()  # ... and what is added to their logits
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> "WorkerSamplingParams":
@@ -48,7 +51,10 @@ class WorkerSamplingParams:
             frequency_penalty=params.frequency_penalty,
             repetition_penalty=params.repetition_penalty, logprobs=params.logprobs,
             min_tokens=params.min_tokens, ignore_eos=params.ignore_eos,
-            stop_token_ids=banned, grammar=so.spec if so is not None else None)
+            stop_token_ids=banned, grammar=so.spec if so is not None else None,
+            prompt_logprobs=params.prompt_logprobs,
+            logit_bias_ids=tuple(params.logit_bias or ()),
+            logit_bias_values=tuple(map(float, (params.logit_bias or {}).values())))
 
     @property
     def has_penalties(self) -> bool:

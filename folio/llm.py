@@ -64,17 +64,28 @@ class LLM:
         raise InvalidRequestError(
             "a prompt is a string or {'prompt_token_ids': [...]}", "prompt")
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
+    def generate(self, prompts: PromptType | Sequence[PromptType] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 lora_request: LoRARequests = None) -> list[RequestOutput]:
+                 lora_request: LoRARequests = None,
+                 prompt_token_ids: list[int] | list[list[int]] | None = None
+                 ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
-        All prompts are validated before any is queued (grammars compiled), so a bad one
-        raises InvalidRequestError (naming the field) and leaves the engine untouched.
-        ``lora_request``: one LoRA adapter for every prompt, or one (or None) per prompt
-        (needs ``enable_lora``; folio/lora_request.py).
+        ``prompt_token_ids`` (vLLM's keyword: one id list or a list of them) stands in
+        for ``prompts``. All prompts are validated before any is queued (grammars
+        compiled), so a bad one raises InvalidRequestError (naming the field) and leaves
+        the engine untouched. ``lora_request``: one LoRA adapter for every prompt, or one
+        (or None) per prompt (needs ``enable_lora``; folio/lora_request.py).
         """
+        if prompt_token_ids is not None:
+            if prompts is not None:
+                raise ValueError("pass prompts or prompt_token_ids, not both")
+            batch = (prompt_token_ids if prompt_token_ids and isinstance(
+                prompt_token_ids[0], list) else [prompt_token_ids])
+            prompts = [{"prompt_token_ids": ids} for ids in batch]
+        if prompts is None:
+            raise ValueError("generate() needs prompts or prompt_token_ids")
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]

@@ -21,19 +21,19 @@ PREFIX = "folio:"
 class LoRAMetrics:
     """lora_requests_info, num_lora_adapters_loaded and the load/eviction counters."""
 
-    def __init__(self, registry: CollectorRegistry, max_loras: int):
+    def __init__(self, registry: CollectorRegistry, max_loras: int, prefix: str = PREFIX):
         self.max_loras = str(max_loras)
-        self.info = Gauge(PREFIX + "lora_requests_info", "Running and waiting LoRA adapters "
+        self.info = Gauge(prefix + "lora_requests_info", "Running and waiting LoRA adapters "
                           "(labels), updated at (value, unix time)",
                           ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
                           registry=registry)
-        self.num_loaded = Gauge(PREFIX + "num_lora_adapters_loaded",
+        self.num_loaded = Gauge(prefix + "num_lora_adapters_loaded",
                                 "LoRA adapters held in the worker's host cache",
                                 registry=registry)
-        self.loads = Counter(PREFIX + "lora_loads", "LoRA adapter loads", registry=registry)
-        self.evictions = Counter(PREFIX + "lora_evictions", "LoRA adapter evictions",
+        self.loads = Counter(prefix + "lora_loads", "LoRA adapter loads", registry=registry)
+        self.evictions = Counter(prefix + "lora_evictions", "LoRA adapter evictions",
                                  registry=registry)
-        self.failures = Counter(PREFIX + "lora_load_failures", "LoRA adapter loads that "
+        self.failures = Counter(prefix + "lora_load_failures", "LoRA adapter loads that "
                                 "failed", registry=registry)
         self._labels: tuple[str, str, str] | None = None
         self._last = (0, 0, 0)

@@ -45,25 +45,27 @@ class EngineMetrics:
 
     ``max_loras`` (LoRA on) adds vLLM's ``lora_requests_info`` and the adapter counts
     (lora_metrics.py); ``num_spec_positions`` is speculative decoding's k (0: off, no
-    spec_decode metrics).
+    spec_decode metrics); ``prefix`` is ``observability.metrics_prefix`` ("vllm" for
+    vLLM's dashboards).
     """
 
     def __init__(self, model_name: str, max_loras: int | None = None,
-                 num_spec_positions: int = 0):
+                 num_spec_positions: int = 0, prefix: str = PREFIX.rstrip(":")):
         self.registry = CollectorRegistry()
+        name_prefix = prefix + ":"  # observability.metrics_prefix: "vllm" for vLLM's dashboards
         labels = {"model_name": model_name}
         self._labels = labels
         r = self.registry
         names = ["model_name"]
 
         def gauge(name, doc):
-            return Gauge(PREFIX + name, doc, names, registry=r).labels(**labels)
+            return Gauge(name_prefix + name, doc, names, registry=r).labels(**labels)
 
         def counter(name, doc):
-            return Counter(PREFIX + name, doc, names, registry=r).labels(**labels)
+            return Counter(name_prefix + name, doc, names, registry=r).labels(**labels)
 
         def histogram(name, doc, buckets):
-            return Histogram(PREFIX + name, doc, names, buckets=buckets,
+            return Histogram(name_prefix + name, doc, names, buckets=buckets,
                              registry=r).labels(**labels)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the batch")
@@ -76,7 +78,7 @@ class EngineMetrics:
         self.num_preemptions = counter("num_preemptions", "Preemptions (by recompute)")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
-        self._success = Counter(PREFIX + "request_success", "Finished requests by reason",
+        self._success = Counter(name_prefix + "request_success", "Finished requests by reason",
                                 names + ["finished_reason"], registry=r)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token",
                               _LATENCY_BUCKETS)
@@ -95,7 +97,8 @@ class EngineMetrics:
                                         _TOKEN_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens per engine step",
                                           _TOKEN_BUCKETS)
-        self.lora = LoRAMetrics(r, max_loras) if max_loras is not None else None
+        self.lora = (LoRAMetrics(r, max_loras, name_prefix) if max_loras is not None
+                     else None)
         self.grammar_compile = histogram(
             "structured_output_compile_seconds", "Grammar compiles in the worker (cache "
             "misses), each off the step loop", _COMPILE_BUCKETS)
@@ -107,7 +110,7 @@ class EngineMetrics:
         self._clocks: dict[str, _RequestClock] = {}
         self._last_queries = 0
         self._last_hits = 0
-        self.spec = _SpecDecodeMetrics(r, labels, num_spec_positions) \
+        self.spec = _SpecDecodeMetrics(r, labels, num_spec_positions, name_prefix) \
             if num_spec_positions else None
 
     def on_add(self, req_id: str, arrival_time: float, num_prompt_tokens: int) -> None:
@@ -182,18 +185,19 @@ class _SpecDecodeMetrics:
     """vLLM's speculative-decoding counters, moved by the deltas of the engine's
     cumulative SpecDecodeStats."""
 
-    def __init__(self, registry: CollectorRegistry, labels: dict, num_positions: int):
+    def __init__(self, registry: CollectorRegistry, labels: dict, num_positions: int,
+                 prefix: str = PREFIX):
         names = list(labels)
 
         def counter(name, doc):
-            return Counter(PREFIX + name, doc, names, registry=registry).labels(**labels)
+            return Counter(prefix + name, doc, names, registry=registry).labels(**labels)
 
         self.num_drafts = counter("spec_decode_num_drafts",
                                   "Requests' draft runs verified (one per request per step)")
         self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
         self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
                                            "Draft tokens accepted")
-        per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        per_pos = Counter(prefix + "spec_decode_num_accepted_tokens_per_pos",
                           "Draft tokens accepted at each position of a draft run",
                           names + ["position"], registry=registry)
         self.per_pos = [per_pos.labels(position=str(i), **labels)

@@ -21,7 +21,7 @@ from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler_output import NewRequestData, SchedulerOutput
 from services.wire_codec import ProtocolError, dataclass_from_plain, to_plain  # noqa: F401 (ProtocolError: re-exported)
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 # The health snapshot's contract between the engine core (publisher) and every API
 # process (reader): pushed at most every PUBLISH interval when it changed and at least

@@ -33,8 +33,8 @@ def to_plain(value: Any) -> Any:
         if set(map(type, value)) <= _PLAIN_SCALARS:
             return value if type(value) is list else list(value)
         return [to_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: to_plain(v) for k, v in value.items()}
+    if isinstance(value, dict):  # msgpack maps take string keys: ints travel as text
+        return {str(k) if type(k) is int else k: to_plain(v) for k, v in value.items()}
     return value
 
 
@@ -70,7 +70,7 @@ def _from_plain(value: Any, tp: Any, where: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ProtocolError(f"{where}: expected a map")
-        return {_from_plain(k, args[0], where): _from_plain(v, args[1], f"{where}.{k}")
+        return {_key(k, args[0], where): _from_plain(v, args[1], f"{where}.{k}")
                 for k, v in value.items()}
     if dataclasses.is_dataclass(tp):
         return dataclass_from_plain(value, tp, where)
@@ -80,6 +80,16 @@ def _from_plain(value: Any, tp: Any, where: str) -> Any:
         except ValueError:
             raise ProtocolError(f"{where}: {value!r} is not a {tp.__name__}") from None
     return _scalar(value, tp, where)
+
+
+def _key(key: Any, tp: Any, where: str) -> Any:
+    """A map key: an ``int`` key arrives as its decimal text (see ``to_plain``)."""
+    if tp is int and isinstance(key, str):
+        try:
+            return int(key)
+        except ValueError:
+            raise ProtocolError(f"{where}: key {key[:20]!r} is not an integer") from None
+    return _from_plain(key, tp, where)
 
 
 def _scalar(value: Any, tp: type, where: str) -> Any:

@@ -90,6 +90,8 @@ class RequestState:
             # sample 0 computed the prompt; later samples fork from it, so their
             # "cached" prefix is a sibling's, not the prefix cache's
             self.output.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None and self.output.prompt_token_logprobs is None:
+            self.output.prompt_token_logprobs = out.prompt_logprobs
         released, new_ids = _detokenize(sample.detokenizer, out.new_token_ids)
         c.token_ids.extend(new_ids)
         logprobs = list(out.new_logprobs or [])[:len(new_ids)] if self.want_logprobs else []

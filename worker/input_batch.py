@@ -21,7 +21,7 @@ row's attention is computed exactly as a plain decode step would compute it::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -48,6 +48,10 @@ class InputBatch:
     query_start_loc: list[int]  # of the attention rows (a request, or a verify token)
     seq_lens: list[int]
     lora_ids: list[int]  # each request's LoRA adapter (0: none), in batch order
+    # every scheduled request in batch order; request i's tokens are
+    # request_start_loc[i:i + 2] (query_start_loc splits verify chunks into rows)
+    scheduled_states: list[CachedRequestState] = field(default_factory=list)
+    request_start_loc: list[int] = field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:
@@ -122,6 +126,7 @@ def build_input_batch(states: list[CachedRequestState], num_scheduled: list[int]
             sampling_states.append(state)
     input_ids, positions, slot_mapping, block_tables = _token_arrays(
         states, counts, query_start_loc, block_size)
+    request_start_loc = query_start_loc
     if as_decodes and any(_is_verify(s, n) for s, n in zip(states, counts)):
         query_start_loc, seq_lens, block_tables = _decode_rows(states, counts, seq_lens,
                                                                block_tables)
@@ -146,4 +151,5 @@ def build_input_batch(states: list[CachedRequestState], num_scheduled: list[int]
         attn=AttentionContext(slot_mapping=slot_mapping, plan=plan),
         logits_indices=logits_indices, sampling_states=sampling_states,
         query_start_loc=query_start_loc, seq_lens=seq_lens,
-        lora_ids=[s.lora_id for s in states])
+        lora_ids=[s.lora_id for s in states], scheduled_states=states,
+        request_start_loc=request_start_loc)

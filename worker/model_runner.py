@@ -22,6 +22,7 @@ from worker.loader import load_model
 from worker.lora.lora_manager import LoRAManager
 from worker.lora.lora_step import LoRAStep
 from worker.models.registry import build_model
+from worker.prompt_logprobs import compute_prompt_logprobs
 from worker.request_state import CachedRequestState, make_generator
 from worker.sampler import Sampler
 from worker.sampling_metadata import SamplingMetadata
@@ -258,13 +259,15 @@ class ModelRunner:
         batch = build_input_batch(states, [so.num_scheduled_tokens[r] for r in req_ids],
                                   self.block_size, self.arch.sliding_window,
                                   self.attention_backend)
-        lora = (self.lora.prepare_step(batch.lora_ids, batch.query_start_loc)
+        lora = (self.lora.prepare_step(batch.lora_ids, batch.request_start_loc)
                 if self.lora is not None else None)
         # constrained rows' masks fill on a thread while the forward runs
         grammar_step = self.structured_output.begin_step(batch.sampling_states)
         t1 = time.perf_counter()
         timing.prepare_seconds = t1 - t0
         hidden = self.forward(batch, lora)
+        prompt_logprobs = (compute_prompt_logprobs(self.model, hidden, batch) if any(
+            s.sampling_params.prompt_logprobs is not None for s in states) else {})
         for state, n in zip(states, (so.num_scheduled_tokens[r] for r in req_ids)):
             state.num_computed_tokens += n
         sampling = batch.sampling_states
@@ -274,9 +277,11 @@ class ModelRunner:
         timing.forward_seconds = t2 - t1
         if not sampling:
             return ModelRunnerOutput(
-                structured_output=self.structured_output.take_report(None))
+                structured_output=self.structured_output.take_report(None),
+                prompt_logprobs=prompt_logprobs)
         if self.spec_sampler is not None:  # never with a grammar: the engine core refuses
             output = self._sample_speculative(logits, sampling, draft_probs)  # those
+            output.prompt_logprobs = prompt_logprobs
             timing.sample_seconds = time.perf_counter() - t2
             return output
         if grammar_step is not None:  # masks applied; rows still compiling deferred
@@ -291,7 +296,8 @@ class ModelRunner:
                                  sampled_token_ids=[[t] for t in token_list],
                                  logprobs=[[lp] if lp is not None else None for lp in logprobs],
                                  structured_output=self.structured_output.take_report(
-                                     grammar_step))
+                                     grammar_step),
+                                 prompt_logprobs=prompt_logprobs)
 
     def _sample_speculative(self, logits: torch.Tensor, states: list[CachedRequestState],
                             draft_probs: dict[str, torch.Tensor]) -> ModelRunnerOutput:

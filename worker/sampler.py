@@ -128,6 +128,8 @@ class TargetDistribution:
 def target_distribution(logits: torch.Tensor, md: SamplingMetadata) -> TargetDistribution:
     """Every row's processed distribution (the sampler's, and the rejection sampler's
     target p), on the logits' device."""
+    if md.logit_bias is not None:  # OpenAI's logit_bias: added before anything else
+        logits = logits.index_put(md.logit_bias[:2], md.logit_bias[2], accumulate=True)
     raw = logits
     for row, banned in md.min_tokens_stop_ids.items():
         logits = logits.clone() if logits is raw else logits

@@ -36,6 +36,7 @@ from services.api.request_body import check_declared_size, parse_json_object, re
 from services.api.request_validation import RequestValidator, ValidationLimits, check_model
 from services.api.token_routes import TokenRoutes
 from services.api.tokenizer_pool import TokenizerPool
+from services.api.vllm_routes import VLLMRoutes
 from text.tokenizer import Tokenizer
 
 VERSION = "0.1.0"
@@ -99,6 +100,7 @@ class APIServer:
         if self.lora.enable_lora and self.lora.allow_runtime_updates:
             LoRARoutes(self.engine, self.lora, self.model_name, self._body).add_to(
                 app.router, expect)
+        VLLMRoutes(self).add_to(app.router, expect)
         return app
 
     async def _close(self, app: web.Application) -> None:
@@ -128,51 +130,60 @@ class APIServer:
                                 tenant_weight=self.api.tenant_weights.get(tenant, 1.0),
                                 lora_name=lora_name)
 
-    async def _generation_body(self, request: web.Request) -> tuple[dict, str | None]:
-        """The checked body and the LoRA adapter its ``model`` names (None: the base)."""
-        body = await self._body(request)
+    async def _generation_body(self, request: web.Request, body: dict | None = None
+                               ) -> tuple[dict, str | None]:
+        """The checked body (read unless given) and the LoRA adapter its ``model`` names
+        (None: the base)."""
+        if body is None:
+            body = await self._body(request)
         return body, check_model(body, self.model_name, self.lora.enable_lora)
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        body, lora_name = await self._generation_body(request)
+    async def completions(self, request: web.Request,
+                          body: dict | None = None) -> web.StreamResponse:
+        """``body``: already read (``/invocations``); else read here."""
+        body, lora_name = await self._generation_body(request, body)
         checked = self.validator.completion(body)
-        prompt = checked.prompt
 
-        async def tokenize() -> list[int]:  # a text prompt passed the character bound
-            return await self.tokens.encode(prompt) if isinstance(prompt, str) else prompt
+        async def tokenize() -> list[list[int]]:  # text prompts passed the character bound
+            return [await self.tokens.encode(p) if isinstance(p, str) else p
+                    for p in checked.prompts]
 
         with self.admission.admitted():
             return await self._generation(request, checked, False, lora_name).respond(
                 request, tokenize)
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        body, lora_name = await self._generation_body(request)
+    async def chat_completions(self, request: web.Request,
+                               body: dict | None = None) -> web.StreamResponse:
+        body, lora_name = await self._generation_body(request, body)
         checked = self.validator.chat(body)
 
-        async def tokenize() -> list[int]:
-            return await self.tokens.encode_chat(
+        async def tokenize() -> list[list[int]]:
+            return [await self.tokens.encode_chat(
                 checked.messages, checked.add_generation_prompt,
                 lambda text: self.validator.check_prompt_text(text, "messages"),
-                checked.tools)
+                checked.tools)]
 
         with self.admission.admitted():
             return await self._generation(request, checked, True, lora_name).respond(
                 request, tokenize)
 
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "folio",
+                "max_model_len": self.max_model_len}
+
     async def models(self, request) -> web.Response:
-        """The served model, then each LoRA adapter with the model as ``parent``
-        (asked of the engine core, the one registry of adapters)."""
+        """The served model (``root`` itself, no ``parent``), then each LoRA adapter with
+        the model as ``parent`` (asked of the engine core, the one registry of adapters)."""
         names = []
         if self.lora.enable_lora:
             try:
                 names = [a.name for a in (await self.engine.lora("list", timeout=5.0)).adapters]
             except (EngineDead, asyncio.TimeoutError):
                 raise unavailable("the engine core is unavailable")
-        card = {"object": "model", "created": 0, "owned_by": "folio",
-                "max_model_len": self.max_model_len}
+        card = self.model_card()
         return web.json_response({"object": "list", "data": [
-            {"id": self.model_name, "root": self.model_name, "parent": None, **card},
-            *({"id": n, "root": n, "parent": self.model_name, **card} for n in names)]})
+            {**card, "root": self.model_name, "parent": None},
+            *({**card, "id": n, "root": n, "parent": self.model_name} for n in names)]})
 
     async def health(self, request) -> web.Response:
         """200 from the engine core's latest pushed snapshot (a probe never reaches the

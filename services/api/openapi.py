@@ -134,9 +134,9 @@ def _schemas(lim: ValidationLimits) -> dict[str, Any]:
                            "code": {"type": ["string", "null"]}}}}},
         "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
             **_sampling(lim),
-            "prompt": {"anyOf": [  # text, ids, or a batch of exactly one of those
+            "prompt": {"anyOf": [  # text, ids, or a batch of those
                 {"type": "string", "minLength": 1}, ids,
-                {"type": "array", "minItems": 1, "maxItems": 1, "items": {
+                {"type": "array", "minItems": 1, "maxItems": lim.max_batch_prompts, "items": {
                     "anyOf": [{"type": "string", "minLength": 1}, ids]}}]},
             "logprobs": {"type": ["integer", "null"], "minimum": 0,
                          "maximum": lim.max_logprobs}}},

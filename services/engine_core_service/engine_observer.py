@@ -31,7 +31,8 @@ class EngineObserver:
         obs = config.observability
         lora, spec = config.lora, config.speculative
         self.metrics = (EngineMetrics(model_name, lora.max_loras if lora.enable_lora else None,
-                                      spec.num_speculative_tokens if spec.is_enabled else 0)
+                                      spec.num_speculative_tokens if spec.is_enabled else 0,
+                                      obs.metrics_prefix)
                         if obs.enable_metrics else None)
         self.tracer = (EngineTracer(tracing.tracer, obs.trace_step_detail, spec.is_enabled)
                        if tracing is not None and tracing.enabled else None)
