@@ -49,7 +49,7 @@ class EngineMetrics:
     vLLM's dashboards).
     """
 
-    def __init__(self, model_name: str, max_loras: int | None = None,
+    def __init__(self, model_name: str, *, max_loras: int | None = None,
                  num_spec_positions: int = 0, prefix: str = PREFIX.rstrip(":")):
         self.registry = CollectorRegistry()
         name_prefix = prefix + ":"  # observability.metrics_prefix: "vllm" for vLLM's dashboards

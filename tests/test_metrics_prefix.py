@@ -7,7 +7,7 @@ from observability.metrics import EngineMetrics
 
 
 def test_metrics_prefix_switches_every_engine_metric_name():
-    vllm = EngineMetrics("m", "vllm").render()
+    vllm = EngineMetrics("m", prefix="vllm").render()
     folio = EngineMetrics("m").render()
     assert "vllm:num_requests_running" in vllm and "vllm:request_success" in vllm
     assert "folio:" not in vllm

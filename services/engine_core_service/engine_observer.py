@@ -30,10 +30,10 @@ class EngineObserver:
     def __init__(self, config: FolioConfig, model_name: str, tracing: Tracing | None = None):
         obs = config.observability
         lora, spec = config.lora, config.speculative
-        self.metrics = (EngineMetrics(model_name, lora.max_loras if lora.enable_lora else None,
-                                      spec.num_speculative_tokens if spec.is_enabled else 0,
-                                      obs.metrics_prefix)
-                        if obs.enable_metrics else None)
+        self.metrics = EngineMetrics(
+            model_name, max_loras=lora.max_loras if lora.enable_lora else None,
+            num_spec_positions=spec.num_speculative_tokens if spec.is_enabled else 0,
+            prefix=obs.metrics_prefix) if obs.enable_metrics else None
         self.tracer = (EngineTracer(tracing.tracer, obs.trace_step_detail, spec.is_enabled)
                        if tracing is not None and tracing.enabled else None)
         self._ids: dict[str, _RequestIds] = {}  # sample id → ids for log lines

@@ -24,7 +24,7 @@ class PromptEchoEngine(FakeEngine):
     outputs reach the API with the newest request's first (reversed order)."""
 
     async def add(self, req_id, ids, params, traceparent=None, cache_salt=None,
-                  tenant=None, tenant_weight=1.0):
+                  tenant=None, tenant_weight=1.0, lora_name=None):
         self.added.append((req_id, list(ids), params, cache_salt))
         queue: asyncio.Queue = asyncio.Queue()
 
