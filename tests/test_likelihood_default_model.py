@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engine_core.sampling_params import SamplingParams
-from tests.services.serve_process import ServeProcess, write_config
+from tests.services.serve_process import serving_default_model
 
 SETTINGS = dict(dtype="float32", max_model_len=1024)
 TEXTS = ["The capital of France is Paris.",
@@ -46,12 +46,7 @@ def test_echo_offline_and_transformers_agree_on_log_likelihood(default_model_pat
                                    .sum()))
     del hf
 
-    config = write_config(tmp_path / "folio.yaml", "default", None,
-                          model={**SETTINGS, "served_model_name": None},
-                          memory={"num_blocks": None, "kv_cache_bytes": 64 * 1024 ** 2})
-    serve = ServeProcess(config, tmp_path)
-    try:
-        serve.wait_ready()
+    with serving_default_model(tmp_path, **SETTINGS) as serve:
 
         async def main():
             c = openai.AsyncOpenAI(base_url=serve.url + "/v1", api_key="none")
@@ -59,8 +54,6 @@ def test_echo_offline_and_transformers_agree_on_log_likelihood(default_model_pat
             return await c.completions.create(model=model, prompt=TEXTS, echo=True,
                                               logprobs=0, max_tokens=0)
         r = asyncio.run(main())
-    finally:
-        assert serve.stop() == 0, serve.output()[-3000:]
     echoed = [sum(c.logprobs.token_logprobs[1:]) for c in r.choices]
     assert [len(c.logprobs.tokens) for c in r.choices] == [len(row) for row in ids]
     assert [c.text for c in r.choices] == TEXTS

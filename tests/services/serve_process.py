@@ -1,6 +1,7 @@
 """Run `folio serve` as a real process for end-to-end tests, and look at its children."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -94,3 +95,18 @@ class ServeProcess:
                 if is_running(pid):
                     os.kill(pid, signal.SIGKILL)
             raise
+
+
+@contextlib.contextmanager
+def serving_default_model(tmp_path: Path, **model_settings):
+    """``folio serve`` on the default model with a 64 MiB KV pool (settings go to the
+    ``model`` section); yields the ready ServeProcess and checks it exits 0."""
+    config = write_config(tmp_path / "folio.yaml", "default", None,
+                          model={**model_settings, "served_model_name": None},
+                          memory={"num_blocks": None, "kv_cache_bytes": 64 * 1024 ** 2})
+    serve = ServeProcess(config, tmp_path)
+    try:
+        serve.wait_ready()
+        yield serve
+    finally:
+        assert serve.stop() == 0, serve.output()[-3000:]
