@@ -98,15 +98,20 @@ class ServeProcess:
 
 
 @contextlib.contextmanager
-def serving_default_model(tmp_path: Path, **model_settings):
-    """``folio serve`` on the default model with a 64 MiB KV pool (settings go to the
-    ``model`` section); yields the ready ServeProcess and checks it exits 0."""
-    config = write_config(tmp_path / "folio.yaml", "default", None,
-                          model={**model_settings, "served_model_name": None},
-                          memory={"num_blocks": None, "kv_cache_bytes": 64 * 1024 ** 2})
-    serve = ServeProcess(config, tmp_path)
+def running(config: Path, log_dir: Path):
+    """``folio serve`` on ``config``, ready; checks it exits 0 when the block ends."""
+    serve = ServeProcess(config, log_dir)
     try:
         serve.wait_ready()
         yield serve
     finally:
         assert serve.stop() == 0, serve.output()[-3000:]
+
+
+def serving_default_model(tmp_path: Path, **model_settings):
+    """``running`` on the default model with a 64 MiB KV pool (settings go to the
+    ``model`` section)."""
+    config = write_config(tmp_path / "folio.yaml", "default", None,
+                          model={**model_settings, "served_model_name": None},
+                          memory={"num_blocks": None, "kv_cache_bytes": 64 * 1024 ** 2})
+    return running(config, tmp_path)

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from engine_core.sampling_params import SamplingParams
-from tests.services.serve_process import ServeProcess, write_config
+from tests.services.serve_process import running, write_config
 
 MODEL = "folio-tiny"
 TEXTS = ["Hello, my name is", "The capital of France is", "1 + 1 = 2, 2 + 2 ="]
@@ -23,12 +23,8 @@ def stack(tiny_llama_dir, default_model_path, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("compat_stack")
     config = write_config(tmp / "folio.yaml", str(tiny_llama_dir), str(default_model_path),
                           cache={"enable_prefix_caching": True})
-    serve = ServeProcess(config, tmp)
-    try:
-        serve.wait_ready()
+    with running(config, tmp) as serve:
         yield serve
-    finally:
-        assert serve.stop() == 0, serve.output()[-3000:]
 
 
 @pytest.fixture(scope="module")
