@@ -1,6 +1,7 @@
 """The native CPU kernels, compiled at first use into one extension.
 
-``csrc/*.cpp`` (decode paged attention, 16-bit linear layers, fused RMSNorm) are built with
+``csrc/*.cpp`` (decode paged attention, 16-bit linear layers, fused RMSNorm, LoRA for
+decode-sized steps) are built with
 ``torch.utils.cpp_extension.load`` the first time :func:`ensure` (or a wrapper's
 ``is_available``) runs, then loaded from the build folder on later starts (a warm load
 takes well under a second; a cold build a minute or so). Each source registers its
@@ -49,7 +50,7 @@ log = get_logger(__name__)
 DISABLE_ENV = "FOLIO_DISABLE_CPU_KERNELS"
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention_decode.cpp", _CSRC / "half_linear.cpp",
-            _CSRC / "rms_norm.cpp"]
+            _CSRC / "rms_norm.cpp", _CSRC / "lora_decode.cpp"]
 _HEADERS = [_CSRC / "cpu_vec.h"]  # torch only tracks `sources`: hashed into the name
 # -fopenmp: at::parallel_for's OpenMP backend is inline in the torch headers, and
 # `#pragma omp simd` marks the reductions vectorisable without -ffast-math.

@@ -2,9 +2,9 @@
 
     y[t] += xa[t] @ b[slot[t]].T      (slot[t] >= 0; base-model rows are not touched)
     y [T, N] (updated in place; may be a column slice of a wider output)
-    xa [T, K] float32 (the shrink's)   b [S, N, K] (S slots' B, the scale folded in)
+    xa [T, K] (the shrink's)   b [S, N, K] (S slots' B, the scale folded in)
 
-The delta is computed in float32 and added to y with one rounding to y's dtype. A
+The delta is computed with float32 sums and added to y with one rounding to y's dtype. A
 fused projection (q/k/v, gate/up) calls this once per slice: ``y`` is then the slice's
 columns of the fused output, ``xa`` the slice's columns of the shrink and ``b`` the
 slice's rows of the stacked B. Every (row, column) of y is written by exactly one
@@ -83,17 +83,23 @@ def lora_expand_triton(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor,
 
 def lora_expand_cpu(y: torch.Tensor, xa: torch.Tensor, b: torch.Tensor,
                     mapping: LoRAMapping) -> None:
-    """Per run of same-slot tokens (slices, no gather), an addmm into one contiguous
-    float32 delta over the rows the runs span; then one add into y. Adding into y's
-    rows run by run (a strided column slice of the fused output) measured 1.5-9x
-    slower on a busy CPU than this (benchmarks/lora_kernels.py)."""
+    """Per run of same-slot tokens (slices, no gather). Slots in ``y``'s dtype: an addmm
+    straight into y's rows (float32 sums, one rounding). Float32 slots under 16-bit
+    activations: each run's product into one contiguous float32 delta over the rows
+    the runs span, then one add into y; adding into y's rows run by run (a strided
+    column slice of the fused output) measured 1.5-9x slower there on a busy CPU
+    (benchmarks/lora_kernels.py)."""
     if not mapping.runs:
+        return
+    if b.dtype == y.dtype == xa.dtype:
+        for run in mapping.runs:
+            y[run.start:run.end].addmm_(xa[run.start:run.end], b[run.slot].t())
         return
     lo, hi = mapping.runs[0].start, mapping.runs[-1].end  # runs are in token order
     delta = torch.zeros(hi - lo, y.shape[1], dtype=torch.float32, device=y.device)
     for run in mapping.runs:
-        b_t = b[run.slot].t().float()  # a view when the slots are float32 (the CPU's)
-        delta[run.start - lo:run.end - lo].addmm_(xa[run.start:run.end], b_t)
+        b_t = b[run.slot].t().float()  # a view when the slots are float32
+        delta[run.start - lo:run.end - lo].addmm_(xa[run.start:run.end].float(), b_t)
     y[lo:hi] += delta
 
 

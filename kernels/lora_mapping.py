@@ -9,7 +9,9 @@ of its adapter (-1: the base model, no adapter). From the per-request slots::
     group_slots   [ 0 | 2 ],  group_starts [0, 3, 7]
 
 The torch references read ``token_slots``; the CPU path walks ``runs`` (slices, no
-gather: the input batch orders requests by adapter so runs are few); the Triton
+gather: the input batch orders requests by adapter so runs are few), or, when the runs
+are many and short (decode), takes their padded per-slot layout ``slot_batch``
+(kernels/lora_slot_batch.py); the Triton
 kernels give each program a tile of one group's rows (``sorted_token_ids``), so one
 adapter matrix serves the whole tile, whether its rows are one prefill chunk (a
 segment, SGMV) or decode rows gathered from across the batch (BGMV). Tokens of the
@@ -24,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.lora_slot_batch import SlotBatch, make_slot_batch
 from kernels.paged_attention import pack_aligned
 
 NO_SLOT = -1
@@ -48,6 +51,7 @@ class LoRAMapping:
     group_starts: torch.Tensor  # [G + 1] int32, offsets of the groups in sorted_token_ids
     max_group_rows: int  # rows of the largest group (the kernels' grid)
     runs: list[LoRARun]  # host side, in token order
+    slot_batch: SlotBatch | None = None  # CPU, decode-sized steps: kernels/lora_slot_batch.py
 
     @property
     def num_tokens(self) -> int:
@@ -93,4 +97,6 @@ def make_lora_mapping(request_slots: list[int], query_start_loc: list[int],
     return LoRAMapping(token_slots=slots_t, sorted_token_ids=sorted_t, group_slots=groups_t,
                        group_starts=starts_t,
                        max_group_rows=int(group_sizes.max()) if len(group_sizes) else 0,
-                       runs=runs)
+                       runs=runs,
+                       slot_batch=None if device.type == "cuda" else make_slot_batch(
+                           runs, len(token_slots)))

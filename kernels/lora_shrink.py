@@ -4,13 +4,13 @@
     x [T, in]   a [S, K, in] (the A matrices of S slots, K = slices x max rank)
     out [T, K] float32
 
-Products and sums in float32, and the result stays float32 for the expand (no
-rounding in between). ``a`` may have any strides: the worker stores it
-``[S, in, K]``-contiguous and passes the transposed view, so the CPU path multiplies a
-plain row-major ``[in, K]`` operand (the faster GEMM at the few rows of a decode run,
-see worker/models/linear.py). On the CPU the slots are float32 whatever the model's
-dtype: with 16-bit activations, widening a run's rows and multiplying in float32
-measured 1.6x faster than the 16-bit GEMM at these sizes (benchmarks/lora_kernels.py).
+Products and sums in float32. The Triton kernels keep the result float32 for the
+expand (no rounding in between); the CPU path returns it in the slots' dtype (see
+worker/lora/slot_dtype.py: float32 slots unless the CPU multiplies 16-bit values
+faster, as with AVX512-BF16, where bf16 slots measured 5x faster at prefill). ``a``
+may have any strides: the worker stores it ``[S, in, K]``-contiguous and passes the
+transposed view, so the CPU path multiplies a plain row-major ``[in, K]`` operand (the
+faster GEMM at the few rows of a decode run, see worker/models/linear.py).
 
 Three implementations of one contract: the reference (the spec), a Triton kernel (one
 program per tile of one slot's rows, see kernels/lora_mapping.py) and the CPU path
@@ -101,19 +101,17 @@ def lora_shrink_triton(x: torch.Tensor, a: torch.Tensor,
 
 
 def lora_shrink_cpu(x: torch.Tensor, a: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
-    """One matmul per run of same-slot tokens (slices of x, no gather; rows widened
-    to a's dtype, float32 on the CPU)."""
-    out = torch.zeros(x.shape[0], a.shape[1], dtype=torch.float32, device=x.device)
+    """One matmul per run of same-slot tokens (slices of x, no gather), in the slots'
+    dtype: float32 slots widen the rows once (float32 result), 16-bit slots on a CPU
+    with 16-bit arithmetic multiply natively (float32 sums, a 16-bit result)."""
+    out = torch.zeros(x.shape[0], a.shape[1], dtype=a.dtype, device=x.device)
     if not mapping.runs:
         return out
     lo, hi = mapping.runs[0].start, mapping.runs[-1].end
-    xs = x[lo:hi].to(a.dtype)  # widened once for all runs (a no-op for float32)
+    xs = x[lo:hi].to(a.dtype)  # widened once for all runs (a no-op in the same dtype)
     for run in mapping.runs:
         rows, part = slice(run.start, run.end), slice(run.start - lo, run.end - lo)
-        if a.dtype == torch.float32:
-            torch.mm(xs[part], a[run.slot].t(), out=out[rows])
-        else:  # 16-bit slots (benchmarks only): rounded products, float32 result
-            out[rows] = torch.mm(xs[part], a[run.slot].t())
+        torch.mm(xs[part], a[run.slot].t(), out=out[rows])
     return out
 
 

@@ -21,6 +21,7 @@ from engine_core.lora_registry import LoRACommands, LoRALoad, LoRALoadResult
 from kernels.lora_mapping import NO_SLOT, make_lora_mapping
 from observability.logging import get_logger
 from worker.lora.lora_slots import LoRASlots
+from worker.lora.slot_dtype import lora_slot_dtype
 from worker.lora.lora_step import LoRAStep
 from worker.lora.peft_adapter import LoRAAdapterError, LoRAAdapterWeights, load_peft_adapter
 from worker.models.architecture import ModelArchitecture
@@ -35,8 +36,7 @@ class LoRAManager:
                  device: torch.device):
         self.config, self.arch, self.device = config, arch, device
         self.cache: dict[int, LoRAAdapterWeights] = {}
-        # CPU slots stay float32 whatever the model's dtype (kernels/lora_shrink.py)
-        slot_dtype = torch.float32 if device.type == "cpu" else dtype
+        slot_dtype = lora_slot_dtype(dtype, device)  # measured on the CPU
         self.slots = LoRASlots(arch, config.max_loras, config.max_lora_rank, slot_dtype,
                                device)
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="folio-lora")

@@ -5,6 +5,10 @@ projections call ``layer.add(target, x, y)`` right after computing ``y = x @ W.T
 
     y[:, slice cols] += lora_expand(lora_shrink(x, A[slot]), B[slot])   per slice
 
+or, for a decode-sized step on the CPU, the same sums in one native call per projection
+(kernels/csrc/lora_decode.cpp; batched GEMMs over the step's slots without it,
+kernels/lora_slot_batch.py).
+
 A step without adapter rows gets no LoRAStep at all (the model runs as without LoRA);
 a target that no adapter of the step adapts is skipped.
 """
@@ -17,6 +21,7 @@ import torch
 from kernels.lora_expand import lora_expand
 from kernels.lora_mapping import LoRAMapping
 from kernels.lora_shrink import lora_shrink
+from kernels.lora_slot_batch import lora_add_decode
 from worker.lora.lora_slots import LoRASlots
 
 
@@ -33,8 +38,13 @@ class LoRALayer:
         if target not in step.active_targets:
             return
         w = step.slots.layers[self.index][target]
-        xa = lora_shrink(x, w.a, step.mapping)
         rank = step.slots.max_rank
+        mapping = step.mapping
+        if mapping.slot_batch is not None:  # a decode-sized step on the CPU
+            lora_add_decode(y, x, w.a, w.b, w.target.slice_widths, rank,
+                            mapping.token_slots, mapping.slot_batch)
+            return
+        xa = lora_shrink(x, w.a, step.mapping)
         for i, s in enumerate(w.target.slices):
             cols = slice(s.out_offset, s.out_offset + s.out_features)
             lora_expand(y[:, cols], xa[:, i * rank:(i + 1) * rank], w.b[:, cols],

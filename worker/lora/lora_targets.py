@@ -46,6 +46,10 @@ class LoRATarget:
     def out_features(self) -> int:
         return sum(s.out_features for s in self.slices)
 
+    @property
+    def slice_widths(self) -> tuple[int, ...]:
+        return tuple(s.out_features for s in self.slices)
+
 
 def lora_targets(arch: ModelArchitecture) -> dict[str, LoRATarget]:
     """The four fused targets of a Llama-family layer, by name."""
