@@ -6,6 +6,7 @@ the engine is the harness's fake, which records the prompt ids that reached it."
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import pytest
@@ -125,3 +126,30 @@ def test_tokenize_renders_tools_for_templates_that_know_them(smollm_tokenizer):
     assert "Tools: get_weather" in tokenizer.decode(with_tools["tokens"])
     assert without["tokens"] == with_tools["tokens"][-len(without["tokens"]):]
     assert s3 == 400 and bad["error"]["param"] == "tools"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_chat_echo_with_continue_final_message_starts_the_reply_with_the_prefill(
+        smollm_tokenizer, stream):
+    """vLLM's pattern for prefilling a reply: ``echo`` + ``continue_final_message``
+    answers with the final message's text followed by what the model added."""
+    generated = smollm_tokenizer.decode([42] * 3)  # what the fake engine samples
+
+    async def main():
+        async with api_server(smollm_tokenizer, max_model_len=512) as (url, _):
+            async with aiohttp.ClientSession() as s:
+                body = {"model": "folio-tiny", "messages": PREFILLED, "max_tokens": 3,
+                        "echo": True, "continue_final_message": True,
+                        "add_generation_prompt": False, "stream": stream}
+                async with s.post(url + CHAT, json=body) as r:
+                    assert r.status == 200
+                    if not stream:
+                        return (await r.json())["choices"][0]["message"]["content"]
+                    text = ""
+                    async for line in r.content:
+                        line = line.decode().strip()
+                        if line.startswith("data: {"):
+                            delta = json.loads(line[6:])["choices"][0]["delta"]
+                            text += delta.get("content") or ""
+                    return text
+    assert asyncio.run(main()) == "Once upon" + generated
