@@ -172,3 +172,21 @@ def test_offline_chat_keeps_special_token_text_in_content_as_text(make_tiny_llm)
                       params, use_tqdm=False)[0]
     assert plain.prompt_token_ids.count(im_start) == forged.prompt_token_ids.count(im_start)
     assert len(forged.prompt_token_ids) > len(plain.prompt_token_ids)
+
+
+def test_chat_continue_final_message_leaves_the_last_message_open(llm):
+    """vLLM's ``LLM.chat(..., continue_final_message=True, add_generation_prompt=False)``:
+    the prompt ends with the final message's text, without its end of turn."""
+    from text.chat_template import ChatTemplateError
+    conv = [{"role": "user", "content": "Tell me a story"},
+            {"role": "assistant", "content": "Once upon"}]
+    tok = llm.get_tokenizer()
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+    [out] = llm.chat(conv, greedy, add_generation_prompt=False, continue_final_message=True,
+                     use_tqdm=False)
+    closed = tok.apply_chat_template(conv, add_generation_prompt=False)
+    open_text = closed[:closed.rindex("Once upon") + len("Once upon")]
+    assert closed != open_text
+    assert out.prompt_token_ids == tok.encode(open_text, add_special_tokens=False)
+    with pytest.raises(ChatTemplateError, match="continue_final_message"):
+        llm.chat(conv, greedy, continue_final_message=True, use_tqdm=False)

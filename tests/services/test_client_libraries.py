@@ -32,7 +32,7 @@ def expected(tiny_llama_dir, default_model_path):
     """The offline LLM's greedy texts: 5 tokens after PROMPT, and the chat reply to HI."""
     from folio import LLM
     llm = LLM(model=str(tiny_llama_dir), tokenizer=str(default_model_path), dtype="float32",
-              max_model_len=1024, num_blocks=64, **{"observability.log_level": "warning"})
+              max_model_len=1024, num_blocks=256, **{"observability.log_level": "warning"})
     greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     return {"completion": llm.generate(PROMPT, greedy, use_tqdm=False)[0].outputs[0].text,
             "chat": llm.chat(HI, greedy, use_tqdm=False)[0].outputs[0].text}
