@@ -2,28 +2,22 @@
 
 Every OTel-instrumented service honours the ``OTEL_*`` variables, so an operator can
 turn tracing on without touching Folio's YAML. Each setting resolves on its own; the
-first that is set wins:
+first source that sets it wins (YAML, then environment, then default):
 
-==================  =========================================  ===========================
-setting             YAML (``observability.``)                   environment, then default
-==================  =========================================  ===========================
-endpoint            ``otlp_endpoint``                           ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``
-                                                                (used as is), ``OTEL_EXPORTER_OTLP_ENDPOINT``
-                                                                (``/v1/traces`` added for HTTP); else off
-protocol            ``otlp_protocol``                           ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``,
-                                                                ``OTEL_EXPORTER_OTLP_PROTOCOL``; http/protobuf
-sampler             ``trace_sample_ratio`` (parent-based ratio) ``OTEL_TRACES_SAMPLER`` + ``_ARG``;
-                                                                parent-based, always on
-service name        -                                           ``OTEL_SERVICE_NAME`` (a prefix:
-                                                                ``<name>-api``), ``service.name`` in
-                                                                ``OTEL_RESOURCE_ATTRIBUTES``; ``folio``
-resource            -                                           ``OTEL_RESOURCE_ATTRIBUTES``
-==================  =========================================  ===========================
+- endpoint: ``observability.otlp_endpoint``; ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (used
+  as is), then ``OTEL_EXPORTER_OTLP_ENDPOINT`` (``/v1/traces`` added for HTTP), both
+  ignored with ``OTEL_SDK_DISABLED=true``; else none: tracing off.
+- protocol: ``observability.otlp_protocol``; ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL``, then
+  ``OTEL_EXPORTER_OTLP_PROTOCOL``; else http/protobuf.
+- sampler: ``observability.trace_sample_ratio`` (a parent-based ratio);
+  ``OTEL_TRACES_SAMPLER`` with ``OTEL_TRACES_SAMPLER_ARG``; else parent-based always-on.
+- service name: ``OTEL_SERVICE_NAME``, then ``service.name`` in
+  ``OTEL_RESOURCE_ATTRIBUTES``, as a prefix (``<name>-api``); else ``folio``.
+- resource attributes: ``OTEL_RESOURCE_ATTRIBUTES``.
 
-``OTEL_SDK_DISABLED=true`` ignores the environment's endpoints (the YAML's still wins). A value Folio cannot
-serve (``http/json``, a sampler it does not know, a ratio outside [0, 1]) is a
-ConfigError naming the variable: the service refuses to start rather than silently
-exporting nothing.
+A value Folio cannot serve (``http/json``, a sampler it does not know, a ratio outside
+[0, 1]) is a ConfigError naming the variable: the service refuses to start rather than
+silently exporting nothing.
 """
 from __future__ import annotations
 
@@ -65,8 +59,9 @@ def resolve(config: ObservabilityConfig, service: str,
     attributes.pop("service.name", None)
     protocol = config.otlp_protocol or _env_protocol(env)
     sampler, ratio = _sampler(config, env)
-    return OTelSettings(endpoint=_endpoint(config, env, protocol), protocol=protocol, sampler=sampler, ratio=ratio,
-                        service_name=f"{prefix}-{service}", resource_attributes=attributes)
+    return OTelSettings(endpoint=_endpoint(config, env, protocol), protocol=protocol,
+                        sampler=sampler, ratio=ratio, service_name=f"{prefix}-{service}",
+                        resource_attributes=attributes)
 
 
 def parse_resource_attributes(raw: str) -> dict[str, str]:

@@ -9,8 +9,9 @@ tokens is refused from its character count (:meth:`RequestValidator.check_prompt
 text/token_span.py) before tokenization, and its token count is checked again after
 (:meth:`RequestValidator.check_prompt_ids`).
 
-Fields OpenAI defines that Folio does not serve (``suffix``, ``best_of`` > 1) are refused when set to anything but their default (services/api/fields.py)
-rather than silently ignored; other unknown fields are ignored, as vLLM does. The
+Fields OpenAI defines that Folio does not serve (``suffix``, ``best_of`` > 1) are
+refused when set to anything but their default (services/api/fields.py) rather than
+silently ignored; other unknown fields are ignored, as vLLM does. The
 fields that constrain the output (``response_format``, ``structured_outputs``,
 ``guided_*``, ``tools``/``tool_choice``) are read by services/api/structured_request.py;
 their grammar is compiled before the request reaches the engine (grammar_check.py).
