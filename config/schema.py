@@ -155,10 +155,13 @@ class ObservabilityConfig:
     log_prompts: bool = _f(False, "allow prompt and completion text in logs and spans")
     otlp_endpoint: str | None = _f(None, "OTLP collector for traces, e.g. "
                                    "http://localhost:4318 (http/protobuf) or "
-                                   "http://localhost:4317 (grpc); null turns tracing off")
-    otlp_protocol: str = _f("http/protobuf", "http/protobuf or grpc")
-    trace_sample_ratio: float = _f(1.0, "fraction of requests traced (a client's sampled "
-                                   "traceparent is always followed)")
+                                   "http://localhost:4317 (grpc); null: OTEL_EXPORTER_OTLP_"
+                                   "(TRACES_)ENDPOINT, else tracing off")
+    otlp_protocol: str | None = _f(None, "http/protobuf or grpc; null: "
+                                   "OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf")
+    trace_sample_ratio: float | None = _f(None, "fraction of requests traced (a client's "
+                                          "sampled traceparent is always followed); null: "
+                                          "OTEL_TRACES_SAMPLER/_ARG, else every request")
     trace_step_detail: str = _f("step", "per-request engine spans: 'step' (one per engine "
                                 "step; +1.1% CPU with every request traced) or 'phase' (one "
                                 "for prefill, one for decode; +0.4%), measured by "
@@ -174,9 +177,11 @@ class ObservabilityConfig:
                f"must be one of {LOG_LEVELS}")
         _check(self.log_format in LOG_FORMATS, "observability.log_format",
                f"must be one of {LOG_FORMATS}")
-        _check(self.otlp_protocol in OTLP_PROTOCOLS, "observability.otlp_protocol",
+        _check(self.otlp_protocol in (None, *OTLP_PROTOCOLS),
+               "observability.otlp_protocol",
                f"must be one of {OTLP_PROTOCOLS}")
-        _check(0.0 <= self.trace_sample_ratio <= 1.0, "observability.trace_sample_ratio",
+        _check(self.trace_sample_ratio is None or 0.0 <= self.trace_sample_ratio <= 1.0,
+               "observability.trace_sample_ratio",
                "must be in [0, 1]")
         _check(self.trace_step_detail in TRACE_STEP_DETAILS, "observability.trace_step_detail",
                f"must be one of {TRACE_STEP_DETAILS}")

@@ -146,15 +146,19 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True, use_tqdm: bool = True,
-             lora_request: LoRARequests = None) -> list[RequestOutput]:
+             lora_request: LoRARequests = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them via the chat template.
 
         As over HTTP, special-token text inside message content stays plain text unless
-        ``api.allow_special_tokens_in_content`` is on (text/chat_prompt.py)."""
+        ``api.allow_special_tokens_in_content`` is on (text/chat_prompt.py).
+        ``continue_final_message`` (with ``add_generation_prompt=False``, as in vLLM)
+        leaves the final message open for the model to go on with."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         split = not self.config.api.allow_special_tokens_in_content
         prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(self.tokenizer.render_chat(
-            conv, add_generation_prompt, split_content=split))} for conv in conversations]
+            conv, add_generation_prompt, split_content=split,
+            continue_final_message=continue_final_message))} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
                              lora_request=lora_request)
 

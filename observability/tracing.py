@@ -1,40 +1,50 @@
 """OpenTelemetry tracing for one service: a tracer exporting over OTLP, or nothing.
 
-With ``observability.otlp_endpoint`` null, ``Tracing.tracer`` is None, the SDK is never
-imported, and every caller skips its span work behind one ``if``: tracing off costs
-nothing measurable. With it set, each service exports its spans in batches (OTLP over
-HTTP or gRPC) under ``service.name = folio-<service>``; sampling is decided once per
-request at the API (``ParentBased(TraceIdRatioBased)``) and followed downstream through
-the W3C ``traceparent`` carried inside the internal messages.
+With no endpoint (``observability.otlp_endpoint`` null and no ``OTEL_EXPORTER_OTLP_*``
+endpoint in the environment), ``Tracing.tracer`` is None, the SDK is never imported,
+and every caller skips its span work behind one ``if``: tracing off costs nothing
+measurable. With one, each service exports its spans in batches (OTLP over HTTP or
+gRPC) under ``service.name = folio-<service>`` (``OTEL_SERVICE_NAME`` replaces the
+prefix); sampling is decided once per request at the API (``ParentBased(TraceIdRatioBased)``
+by default) and followed downstream through the W3C ``traceparent`` carried inside the
+internal messages.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from config.schema import ObservabilityConfig
+from observability.otel_env import OTelSettings, make_sampler, resolve
 
 TRACEPARENT_VERSION = "00"
 
 
 class Tracing:
-    """One service's tracer provider (``tracer`` is None when tracing is off)."""
+    """One service's tracer provider (``tracer`` is None when tracing is off).
 
-    def __init__(self, config: ObservabilityConfig, service: str):
+    ``settings`` merge the YAML with OpenTelemetry's standard environment (see otel_env).
+    """
+
+    def __init__(self, config: ObservabilityConfig, service: str,
+                 environ: Mapping[str, str] | None = None):
         self.config = config
         self.service = service
+        self.settings = resolve(config, service, environ)
         self.tracer = None
         self._provider = None
-        if config.otlp_endpoint is None:
+        if self.settings.endpoint is None:
             return
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        # Resource.create also reads OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME;
+        # the attributes given here (resolved from the same variables) take precedence.
         self._provider = TracerProvider(
-            resource=Resource.create({"service.name": f"folio-{service}",
+            resource=Resource.create({**self.settings.resource_attributes,
+                                      "service.name": self.settings.service_name,
                                       "service.namespace": "folio"}),
-            sampler=ParentBased(TraceIdRatioBased(config.trace_sample_ratio)))
-        self._provider.add_span_processor(BatchSpanProcessor(_exporter(config)))
+            sampler=make_sampler(self.settings))
+        self._provider.add_span_processor(BatchSpanProcessor(_exporter(self.settings)))
         self.tracer = self._provider.get_tracer("folio")
 
     @property
@@ -47,15 +57,13 @@ class Tracing:
             self._provider.shutdown()
 
 
-def _exporter(config: ObservabilityConfig):
-    endpoint = config.otlp_endpoint.rstrip("/")
-    if config.otlp_protocol == "grpc":
+def _exporter(settings: OTelSettings):
+    if settings.protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        return OTLPSpanExporter(endpoint=endpoint, insecure=endpoint.startswith("http://"))
+        return OTLPSpanExporter(endpoint=settings.endpoint,
+                                insecure=settings.endpoint.startswith("http://"))
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    if not endpoint.endswith("/v1/traces"):
-        endpoint += "/v1/traces"
-    return OTLPSpanExporter(endpoint=endpoint)
+    return OTLPSpanExporter(endpoint=settings.endpoint)
 
 
 def traceparent_of(span: Any) -> str | None:

@@ -51,6 +51,28 @@ def test_compose_wires_three_services_and_jaeger(compose):
     assert (REPO / "Dockerfile").is_file()
 
 
+def test_gpu_override_reserves_a_gpu_for_the_worker_on_a_cuda_torch_image(compose):
+    gpu = yaml.safe_load((REPO / "docker-compose.gpu.yml").read_text())
+    assert set(gpu["services"]) == set(FOLIO_SERVICES)  # overrides only, no new service
+    images = {gpu["services"][name]["image"] for name in FOLIO_SERVICES}
+    assert images == {"folio:cuda"} != {compose["services"]["worker"]["image"]}
+    worker = gpu["services"]["worker"]
+    assert worker["build"]["context"] == "."
+    index = worker["build"]["args"]["TORCH_INDEX_URL"]
+    assert index.startswith("https://download.pytorch.org/whl/cu")
+    devices = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    for name in ("engine-core", "api"):  # only the worker holds the GPU
+        assert "deploy" not in gpu["services"][name]
+    # the Dockerfile takes the index as a build argument, CPU by default
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in dockerfile
+    assert "pip install torch==2.13.0 --index-url ${TORCH_INDEX_URL}" in dockerfile
+    # the shared config picks the GPU when there is one
+    docker_cfg = yaml.safe_load((REPO / "config/docker.yaml").read_text())
+    assert docker_cfg["worker"]["device"] == "auto" and docker_cfg["model"]["dtype"] == "auto"
+
+
 def _local(argv):
     return [sys.executable if argv[0] == "python" else argv[0], *argv[1:]]
 

@@ -175,7 +175,7 @@ def test_seeded_sampling_draws_the_same_tokens_and_logprobs_with_drafts(make_tin
         if a.outputs[0].logprobs is None:
             assert b.outputs[0].logprobs is None
             continue
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+        for x, y in zip(a.outputs[0].token_logprobs, b.outputs[0].token_logprobs):
             # float rounding differs between a chunk and a decode: near-ties may swap
             assert x.token_id == y.token_id and abs(x.rank - y.rank) <= 2
             assert x.top_token_ids == y.top_token_ids

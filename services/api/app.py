@@ -161,7 +161,7 @@ class APIServer:
             return [await self.tokens.encode_chat(
                 checked.messages, checked.add_generation_prompt,
                 lambda text: self.validator.check_prompt_text(text, "messages"),
-                checked.tools)]
+                checked.tools, checked.continue_final_message)]
 
         with self.admission.admitted():
             return await self._generation(request, checked, True, lora_name).respond(

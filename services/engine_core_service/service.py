@@ -108,7 +108,7 @@ class EngineCoreService:
         self.observer = EngineObserver(
             self.config, served_model_name(self.config.model.path,
                                            self.config.model.served_model_name),
-            self.tracing)
+            self.tracing, ready.facts)
         log.debug("worker connected", num_blocks=ready.facts.num_blocks,
                   max_model_len=ready.facts.max_model_len)
         return ready
