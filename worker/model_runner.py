@@ -28,6 +28,7 @@ from worker.sampler import Sampler
 from worker.sampling_metadata import SamplingMetadata
 from worker.speculative_sampler import SpeculativeSampler
 from worker.structured_output import StructuredOutputManager
+from worker.structured_output.grammar_step import GrammarStep
 
 log = get_logger(__name__)
 
@@ -279,8 +280,8 @@ class ModelRunner:
             return ModelRunnerOutput(
                 structured_output=self.structured_output.take_report(None),
                 prompt_logprobs=prompt_logprobs)
-        if self.spec_sampler is not None:  # never with a grammar: the engine core refuses
-            output = self._sample_speculative(logits, sampling, draft_probs)  # those
+        if self.spec_sampler is not None:
+            output = self._sample_speculative(logits, sampling, draft_probs, grammar_step)
             output.prompt_logprobs = prompt_logprobs
             timing.sample_seconds = time.perf_counter() - t2
             return output
@@ -290,7 +291,7 @@ class ModelRunner:
         for state, token in zip(sampling, token_list):
             state.token_ids.append(token)
         if grammar_step is not None:
-            grammar_step.accept(token_list)
+            grammar_step.accept([[t] for t in token_list])
         timing.sample_seconds = time.perf_counter() - t2
         return ModelRunnerOutput(req_ids=[s.req_id for s in sampling],
                                  sampled_token_ids=[[t] for t in token_list],
@@ -300,15 +301,30 @@ class ModelRunner:
                                  prompt_logprobs=prompt_logprobs)
 
     def _sample_speculative(self, logits: torch.Tensor, states: list[CachedRequestState],
-                            draft_probs: dict[str, torch.Tensor]) -> ModelRunnerOutput:
+                            draft_probs: dict[str, torch.Tensor],
+                            grammar_step: GrammarStep | None) -> ModelRunnerOutput:
         """Verify drafts (k+1 logits rows per request with k); each state's progress
-        steps back over its rejected drafts, as the engine core's does."""
-        num_drafts = [len(s.spec_token_ids) for s in states]
-        rows = draft_probs_rows(states, num_drafts, draft_probs, logits.shape[-1])
-        tokens, logprobs = self.spec_sampler(logits, states, rows)
-        for state, k, emitted in zip(states, num_drafts, tokens):
-            state.num_computed_tokens -= k + 1 - len(emitted)
+        steps back over its rejected drafts, as the engine core's does. Constrained
+        rows are masked first, position by position along the drafts, so every
+        accepted draft and the verifier's own token obey the grammar; a state whose
+        grammar is still compiling emits nothing (all its drafts count as rejected)."""
+        num_drafts = {s.req_id: len(s.spec_token_ids) for s in states}
+        sampling = states
+        if grammar_step is not None:
+            logits, sampling = grammar_step.apply(logits, states)
+        rows = draft_probs_rows(sampling, [num_drafts[s.req_id] for s in sampling],
+                                draft_probs, logits.shape[-1])
+        tokens, logprobs = self.spec_sampler(logits, sampling, rows)  # clears the drafts
+        if grammar_step is not None:
+            grammar_step.accept(tokens)
+        emitted = dict(zip((s.req_id for s in sampling), tokens))
+        for state in states:
+            k, n = num_drafts[state.req_id], len(emitted.get(state.req_id, ()))
+            state.spec_token_ids = []  # a deferred state's too: it never reached the sampler
+            state.num_computed_tokens -= k + 1 - n
             if self.draft_runner is not None:
-                self.draft_runner.on_verified(state, k, len(emitted))
-        return ModelRunnerOutput(req_ids=[s.req_id for s in states],
-                                 sampled_token_ids=tokens, logprobs=logprobs)
+                self.draft_runner.on_verified(state, k, n)
+        return ModelRunnerOutput(req_ids=[s.req_id for s in sampling],
+                                 sampled_token_ids=tokens, logprobs=logprobs,
+                                 structured_output=self.structured_output.take_report(
+                                     grammar_step))
