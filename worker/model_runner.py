@@ -15,7 +15,7 @@ from observability.logging import get_logger
 from worker.attention_backend import (NATIVE_CPU, AttentionBackend, choose_attention_backend,
                                      make_attention_backend)
 from worker.device import resolve_device, resolve_dtype
-from worker.draft_runner import DraftRunner, draft_probs_rows
+from worker.draft_runner import DraftRunner
 from worker.input_batch import InputBatch, build_input_batch
 from worker.kv_cache import KVCacheSpec, allocate_kv_cache, copy_blocks
 from worker.loader import load_model
@@ -28,7 +28,6 @@ from worker.sampler import Sampler
 from worker.sampling_metadata import SamplingMetadata
 from worker.speculative_sampler import SpeculativeSampler
 from worker.structured_output import StructuredOutputManager
-from worker.structured_output.grammar_step import GrammarStep
 
 log = get_logger(__name__)
 
@@ -280,11 +279,15 @@ class ModelRunner:
             return ModelRunnerOutput(
                 structured_output=self.structured_output.take_report(None),
                 prompt_logprobs=prompt_logprobs)
-        if self.spec_sampler is not None:
-            output = self._sample_speculative(logits, sampling, draft_probs, grammar_step)
-            output.prompt_logprobs = prompt_logprobs
+        if self.spec_sampler is not None:  # constrained rows masked along their drafts
+            sampling, tokens, logprobs = self.spec_sampler.verify(
+                logits, sampling, draft_probs, grammar_step, self.draft_runner)
             timing.sample_seconds = time.perf_counter() - t2
-            return output
+            return ModelRunnerOutput(req_ids=[s.req_id for s in sampling],
+                                     sampled_token_ids=tokens, logprobs=logprobs,
+                                     structured_output=self.structured_output.take_report(
+                                         grammar_step),
+                                     prompt_logprobs=prompt_logprobs)
         if grammar_step is not None:  # masks applied; rows still compiling deferred
             logits, sampling = grammar_step.apply(logits, sampling)
         token_list, logprobs = self.sample(sampling, logits)
@@ -299,32 +302,3 @@ class ModelRunner:
                                  structured_output=self.structured_output.take_report(
                                      grammar_step),
                                  prompt_logprobs=prompt_logprobs)
-
-    def _sample_speculative(self, logits: torch.Tensor, states: list[CachedRequestState],
-                            draft_probs: dict[str, torch.Tensor],
-                            grammar_step: GrammarStep | None) -> ModelRunnerOutput:
-        """Verify drafts (k+1 logits rows per request with k); each state's progress
-        steps back over its rejected drafts, as the engine core's does. Constrained
-        rows are masked first, position by position along the drafts, so every
-        accepted draft and the verifier's own token obey the grammar; a state whose
-        grammar is still compiling emits nothing (all its drafts count as rejected)."""
-        num_drafts = {s.req_id: len(s.spec_token_ids) for s in states}
-        sampling = states
-        if grammar_step is not None:
-            logits, sampling = grammar_step.apply(logits, states)
-        rows = draft_probs_rows(sampling, [num_drafts[s.req_id] for s in sampling],
-                                draft_probs, logits.shape[-1])
-        tokens, logprobs = self.spec_sampler(logits, sampling, rows)  # clears the drafts
-        if grammar_step is not None:
-            grammar_step.accept(tokens)
-        emitted = dict(zip((s.req_id for s in sampling), tokens))
-        for state in states:
-            k, n = num_drafts[state.req_id], len(emitted.get(state.req_id, ()))
-            state.spec_token_ids = []  # a deferred state's too: it never reached the sampler
-            state.num_computed_tokens -= k + 1 - n
-            if self.draft_runner is not None:
-                self.draft_runner.on_verified(state, k, n)
-        return ModelRunnerOutput(req_ids=[s.req_id for s in sampling],
-                                 sampled_token_ids=tokens, logprobs=logprobs,
-                                 structured_output=self.structured_output.take_report(
-                                     grammar_step))
