@@ -212,3 +212,31 @@ def test_an_eos_draft_is_a_no_op_for_the_matcher(manager, smollm_tokenizer):
     assert grammar.accept([one, EOS[0], one]) and grammar.is_complete
     grammar.rollback(2)  # exactly two tokens were consumed
     assert grammar.validate([one]) == 1 and not grammar.is_complete
+
+
+def test_the_draft_guide_masks_each_pass_where_the_drafts_stand_then_rolls_back(
+        manager, smollm_tokenizer):
+    """Grammar-guided drafting: pass j's draft logits are masked at output + d1..dj
+    (a free request's row untouched), and the matcher ends where it began."""
+    from worker.structured_output.draft_guide import DraftGuide
+    spec = StructuredOutputsParams(regex=r"\d{2}-\d{2}").spec
+    manager.validate(spec)
+    one, two, dash = (smollm_tokenizer.encode(x, add_special_tokens=False)[0]
+                      for x in ("1", "2", "-"))
+    states = [state("free"), state("c", StructuredOutputsParams(regex=r"\d{2}-\d{2}"))]
+    states[1].grammar = RequestGrammar("c", manager.cache.get(spec), [], EOS)
+    guide = DraftGuide(states, VOCAB)
+    picked = []
+    for j in range(3):
+        logits = torch.randn(2, VOCAB)
+        before = logits[0].clone()
+        guide.mask(logits, [0, 1])
+        assert torch.equal(logits[0], before)
+        picked.append(int(logits[1].argmax()))
+        guide.advance(1, picked[-1])
+    texts = [smollm_tokenizer.decode([t]) for t in picked]
+    assert texts[0].isdigit() and texts[1].isdigit() and texts[2].startswith("-"), texts
+    guide.finish()
+    assert states[1].grammar.validate([one, two, dash]) == 3  # back at the start
+    guide = DraftGuide([state("late", StructuredOutputsParams(regex="a"))], VOCAB)
+    assert guide.grammars == {}  # no matcher yet (first sample not reached): unguided

@@ -129,6 +129,14 @@ class RequestGrammar:
         self.rollback(num_consumed)
         return num_valid
 
+    def advance_draft(self, token_id: int) -> bool:
+        """Consume a draft if the grammar allows it here (never failing the sample);
+        whether it was consumed (EOS never is). ``rollback`` undoes it."""
+        if (self.failed or self.matcher is None or token_id in self.eos_token_ids
+                or self.matcher.validate_tokens([token_id]) != 1):
+            return False
+        return self.matcher.consume_token(token_id)
+
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens."""
         if num_tokens and self.matcher is not None and not self.failed:
