@@ -67,8 +67,7 @@ class GrammarStep:
         self._filled: Future = executor.submit(self._fill_ready)
 
     def _fill(self, i: int) -> None:
-        self.grammars[i].fill_drafts(
-            self.bitmask, self.starts[i], self.drafts[i])
+        self.grammars[i].fill_drafts(self.bitmask, self.starts[i], self.drafts[i])
 
     def _fill_ready(self) -> list[bool]:
         filled = []
