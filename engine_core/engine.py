@@ -171,11 +171,6 @@ class EngineCore:
             self.lora.registry.registered_id(lora_id)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string", "cache_salt")
-        if params.structured_outputs is not None and self.scheduler.speculator is not None:
-            # drafts would have to be checked against the grammar: not built yet
-            raise InvalidRequestError("structured outputs are not served while speculative "
-                                      "decoding is on (speculative.method)",
-                                      "structured_outputs")
         return params
 
     def _check_vocabulary(self, token_ids: frozenset[int], param: str) -> None:

@@ -15,7 +15,7 @@ from observability.logging import get_logger
 from worker.attention_backend import (NATIVE_CPU, AttentionBackend, choose_attention_backend,
                                      make_attention_backend)
 from worker.device import resolve_device, resolve_dtype
-from worker.draft_runner import DraftRunner, draft_probs_rows
+from worker.draft_runner import DraftRunner
 from worker.input_batch import InputBatch, build_input_batch
 from worker.kv_cache import KVCacheSpec, allocate_kv_cache, copy_blocks
 from worker.loader import load_model
@@ -279,18 +279,22 @@ class ModelRunner:
             return ModelRunnerOutput(
                 structured_output=self.structured_output.take_report(None),
                 prompt_logprobs=prompt_logprobs)
-        if self.spec_sampler is not None:  # never with a grammar: the engine core refuses
-            output = self._sample_speculative(logits, sampling, draft_probs)  # those
-            output.prompt_logprobs = prompt_logprobs
+        if self.spec_sampler is not None:  # constrained rows masked along their drafts
+            sampling, tokens, logprobs = self.spec_sampler.verify(
+                logits, sampling, draft_probs, grammar_step, self.draft_runner)
             timing.sample_seconds = time.perf_counter() - t2
-            return output
+            return ModelRunnerOutput(req_ids=[s.req_id for s in sampling],
+                                     sampled_token_ids=tokens, logprobs=logprobs,
+                                     structured_output=self.structured_output.take_report(
+                                         grammar_step),
+                                     prompt_logprobs=prompt_logprobs)
         if grammar_step is not None:  # masks applied; rows still compiling deferred
             logits, sampling = grammar_step.apply(logits, sampling)
         token_list, logprobs = self.sample(sampling, logits)
         for state, token in zip(sampling, token_list):
             state.token_ids.append(token)
         if grammar_step is not None:
-            grammar_step.accept(token_list)
+            grammar_step.accept([[t] for t in token_list])
         timing.sample_seconds = time.perf_counter() - t2
         return ModelRunnerOutput(req_ids=[s.req_id for s in sampling],
                                  sampled_token_ids=[[t] for t in token_list],
@@ -298,17 +302,3 @@ class ModelRunner:
                                  structured_output=self.structured_output.take_report(
                                      grammar_step),
                                  prompt_logprobs=prompt_logprobs)
-
-    def _sample_speculative(self, logits: torch.Tensor, states: list[CachedRequestState],
-                            draft_probs: dict[str, torch.Tensor]) -> ModelRunnerOutput:
-        """Verify drafts (k+1 logits rows per request with k); each state's progress
-        steps back over its rejected drafts, as the engine core's does."""
-        num_drafts = [len(s.spec_token_ids) for s in states]
-        rows = draft_probs_rows(states, num_drafts, draft_probs, logits.shape[-1])
-        tokens, logprobs = self.spec_sampler(logits, states, rows)
-        for state, k, emitted in zip(states, num_drafts, tokens):
-            state.num_computed_tokens -= k + 1 - len(emitted)
-            if self.draft_runner is not None:
-                self.draft_runner.on_verified(state, k, len(emitted))
-        return ModelRunnerOutput(req_ids=[s.req_id for s in states],
-                                 sampled_token_ids=tokens, logprobs=logprobs)
