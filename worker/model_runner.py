@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -15,6 +14,8 @@ from observability.logging import get_logger
 from worker.attention_backend import (NATIVE_CPU, AttentionBackend, choose_attention_backend,
                                      make_attention_backend)
 from worker.device import resolve_device, resolve_dtype
+from worker.distributed.step_channel import StepChannel
+from worker.distributed.tp_group import TPGroup
 from worker.draft_runner import DraftRunner, draft_probs_rows
 from worker.input_batch import InputBatch, build_input_batch
 from worker.kv_cache import KVCacheSpec, allocate_kv_cache, copy_blocks
@@ -27,20 +28,10 @@ from worker.request_state import CachedRequestState, make_generator
 from worker.sampler import Sampler
 from worker.sampling_metadata import SamplingMetadata
 from worker.speculative_sampler import SpeculativeSampler
+from worker.step_timing import StepTiming
 from worker.structured_output import StructuredOutputManager
 
 log = get_logger(__name__)
-
-
-@dataclass(slots=True)
-class StepTiming:
-    """Where one step's time went: building the batch, the forward pass, sampling;
-    ``draft_seconds``: the draft model proposing (speculative decoding)."""
-
-    prepare_seconds: float = 0.0
-    draft_seconds: float = 0.0
-    forward_seconds: float = 0.0
-    sample_seconds: float = 0.0
 
 
 class ModelRunner:
@@ -54,12 +45,18 @@ class ModelRunner:
     adapters (worker/lora/lora_manager.py). With ``speculative_config`` on, steps verify
     drafts (worker/speculative_sampler.py) and, for draft_model, a DraftRunner proposes
     them.
+
+    With ``tp`` (a tensor-parallel group) it holds this rank's slice of the model and KV
+    cache. On rank 0 each step's inputs and logits requests are broadcast to the other
+    ranks (worker/distributed/step_channel.py), which run the same forward in
+    worker/distributed/follower.py; sampling happens here, on rank 0 only.
     """
 
     def __init__(self, model_config: ModelConfig, memory_config: MemoryConfig,
                  worker_config: WorkerConfig, scheduler_config: SchedulerConfig | None = None,
                  lora_config: LoRAConfig | None = None,
-                 speculative_config: SpeculativeConfig | None = None):
+                 speculative_config: SpeculativeConfig | None = None,
+                 tp: TPGroup | None = None):
         self.model_config = model_config
         self.worker_config = worker_config
         self.memory_config = memory_config
@@ -67,13 +64,14 @@ class ModelRunner:
         self.last_timing = StepTiming()
         if worker_config.num_threads:
             torch.set_num_threads(worker_config.num_threads)
-        self.device = resolve_device(worker_config.device)
+        self.tp = tp
+        self.device = resolve_device(worker_config.device) if tp is None else tp.device
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         t0 = time.perf_counter()
         loaded = load_model(model_config.path, self.dtype)
         self.arch = loaded.architecture
         self.max_model_len = self._resolve_max_model_len()
-        self.model = build_model(self.arch, self.max_model_len + 1)
+        self.model = build_model(self.arch, self.max_model_len + 1, tp)
         self.model.load_weights(loaded.state_dict)
         self.model.to(device=self.device, dtype=self.dtype).eval()
         k_major_weights = (self.device.type == "cpu" and worker_config.k_major_weights
@@ -83,6 +81,8 @@ class ModelRunner:
                   k_major_weights=k_major_weights,
                   architecture=self.arch.architecture, seconds=round(self.load_seconds, 2))
         self.block_size = memory_config.block_size
+        self.channel = (StepChannel(tp, self.arch.hidden_size, self.dtype)
+                        if tp is not None and tp.is_first else None)
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
@@ -109,7 +109,12 @@ class ModelRunner:
         if self.device.type == "cpu" and cpu_extension.load_seconds is not None:
             extra["build_or_load_seconds"] = round(cpu_extension.load_seconds, 2)
         log.debug("attention backend", backend=name, device=str(self.device), **extra)
-        return make_attention_backend(name, self.device, self.arch.num_key_value_heads)
+        return make_attention_backend(name, self.device, self.model.shard.num_kv_heads)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """One block's layout on this rank (its KV heads only, under tensor parallelism)."""
+        return KVCacheSpec.for_model(self.arch, self.block_size, self.dtype,
+                                     self.model.shard.num_kv_heads)
 
     @property
     def use_native_decode(self) -> bool:
@@ -144,12 +149,14 @@ class ModelRunner:
         (worker/gpu_memory.py); then the decode CUDA graphs are captured unless
         worker.enforce_eager. memory.num_blocks, when set, overrides either budget.
         """
-        spec = KVCacheSpec.for_model(self.arch, self.block_size, self.dtype)
+        spec = self.kv_cache_spec()
         num_blocks, key = self.memory_config.num_blocks, "memory.num_blocks"
         if not num_blocks:
             budget, key = self._kv_cache_budget()
             draft = self.draft_runner.kv_spec.bytes_per_block if self.draft_runner else 0
             num_blocks = budget // (spec.bytes_per_block + draft)
+        if self.tp is not None:  # every rank sized its own pool: all use the smallest
+            num_blocks = self.tp.min_int(num_blocks)
         needed = -(-self.max_model_len // self.block_size) + 1
         if num_blocks < needed:
             raise ValueError(
@@ -168,7 +175,7 @@ class ModelRunner:
 
     def _wants_cuda_graphs(self) -> bool:
         return (self.device.type == "cuda" and not self.worker_config.enforce_eager
-                and self.attention_backend.is_triton)
+                and self.attention_backend.is_triton and self.tp is None)
 
     def _maybe_capture_cuda_graphs(self) -> None:
         if not self._wants_cuda_graphs():
@@ -223,6 +230,19 @@ class ModelRunner:
             return self.cuda_graphs.run(batch)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, lora)
 
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of these hidden rows; under tensor parallelism the other ranks are
+        asked for their vocabulary slices first (rank 0 only)."""
+        if self.channel is not None:
+            self.channel.send_logits(hidden)
+        return self.model.compute_logits(hidden)
+
+    def stop_followers(self) -> None:
+        """Rank 0 under tensor parallelism: let the other ranks leave their loop."""
+        if self.channel is not None:
+            self.channel.send_stop()
+            self.channel = None
+
     def synchronize(self) -> None:
         """Wait for the device, so a wall-clock split of the step is honest on CUDA."""
         if self.device.type == "cuda":
@@ -249,9 +269,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         timing = self.last_timing = StepTiming()
         self._update_states(so)
-        copy_blocks(self.kv_caches, [c.src for c in so.blocks_to_copy],
-                    [c.dst for c in so.blocks_to_copy])
+        copies = [c.src for c in so.blocks_to_copy], [c.dst for c in so.blocks_to_copy]
+        copy_blocks(self.kv_caches, *copies)
         if so.total_num_scheduled_tokens == 0:
+            if self.channel is not None and copies[0]:
+                self.channel.send_step(None, *copies)
             return ModelRunnerOutput()
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
@@ -263,15 +285,17 @@ class ModelRunner:
                 if self.lora is not None else None)
         # constrained rows' masks fill on a thread while the forward runs
         grammar_step = self.structured_output.begin_step(batch.sampling_states)
+        if self.channel is not None:
+            self.channel.send_step(batch.arrays, *copies)
         t1 = time.perf_counter()
         timing.prepare_seconds = t1 - t0
         hidden = self.forward(batch, lora)
-        prompt_logprobs = (compute_prompt_logprobs(self.model, hidden, batch) if any(
+        prompt_logprobs = (compute_prompt_logprobs(self, hidden, batch) if any(
             s.sampling_params.prompt_logprobs is not None for s in states) else {})
         for state, n in zip(states, (so.num_scheduled_tokens[r] for r in req_ids)):
             state.num_computed_tokens += n
         sampling = batch.sampling_states
-        logits = self.model.compute_logits(hidden[batch.logits_indices]) if sampling else None
+        logits = self.compute_logits(hidden[batch.logits_indices]) if sampling else None
         self.synchronize()
         t2 = time.perf_counter()
         timing.forward_seconds = t2 - t1
