@@ -6,7 +6,8 @@ the section leaves those keys out, so a YAML that sets them is refused as an unk
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, replace
 
 from config.fields import _check, _f
 
@@ -41,3 +42,12 @@ class ParallelConfig:
     @property
     def is_enabled(self) -> bool:
         return self.tensor_parallel_size > 1
+
+    def with_rendezvous_port(self) -> "ParallelConfig":
+        """This section with a concrete ``master_port``: a port free now when it is 0
+        (rank 0's store binds it moments later; one host only)."""
+        if not self.is_enabled or self.master_port:
+            return self
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((self.master_addr, 0))
+            return replace(self, master_port=s.getsockname()[1])

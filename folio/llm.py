@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -16,7 +17,8 @@ from text.output_processor import OutputProcessor
 from text.request_output import RequestOutput
 from text.tokenizer import Tokenizer
 from worker.bootstrap import in_process_engine
-from worker.distributed.rank_processes import RankProcesses, with_rendezvous_port
+from worker.distributed.follower import check_tp_supported
+from worker.distributed.rank_processes import RankProcesses
 from worker.distributed.tp_group import destroy_tp_group
 
 log = get_logger(__name__)
@@ -46,7 +48,9 @@ class LLM:
         log.debug("config resolved", config=config_to_dict(self.config))
         self._ranks = None  # tensor parallelism: ranks 1..n-1 run in child processes
         if self.config.parallel.is_enabled:
-            self.config = with_rendezvous_port(self.config)
+            check_tp_supported(self.config)  # before any rank starts
+            self.config = replace(self.config,
+                                  parallel=self.config.parallel.with_rendezvous_port())
             self._ranks = RankProcesses(self.config)
         try:
             loaded, self.engine = in_process_engine(self.config)

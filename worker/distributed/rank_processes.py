@@ -1,14 +1,11 @@
 """Starting the ranks other than 0 on this host, for the offline ``LLM``.
 
 ``folio serve`` starts them as supervised services instead (services/launcher.py); both
-run :func:`run_rank`. The rendezvous port is picked here when ``parallel.master_port``
-is 0.
+run :func:`run_rank`.
 """
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
-import socket
 
 from config.schema import FolioConfig
 from observability.logging import configure_logging, get_logger
@@ -16,22 +13,6 @@ from worker.device import resolve_device
 
 log = get_logger(__name__)
 JOIN_TIMEOUT_S = 30.0
-
-
-def free_port(host: str) -> int:
-    """A port nothing listens on now (rank 0's store binds it moments later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def with_rendezvous_port(config: FolioConfig) -> FolioConfig:
-    """``config`` with a concrete ``parallel.master_port`` (a free one for 0)."""
-    parallel = config.parallel
-    if not parallel.is_enabled or parallel.master_port:
-        return config
-    return dataclasses.replace(config, parallel=dataclasses.replace(
-        parallel, master_port=free_port(parallel.master_addr)))
 
 
 def run_rank(config: FolioConfig, rank: int) -> int:
