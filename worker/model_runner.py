@@ -18,7 +18,8 @@ from worker.distributed.step_channel import StepChannel
 from worker.distributed.tp_group import TPGroup
 from worker.draft_runner import DraftRunner, draft_probs_rows
 from worker.input_batch import InputBatch, build_input_batch
-from worker.kv_cache import KVCacheSpec, allocate_kv_cache, copy_blocks
+from worker.kv_cache import KVCacheSpec, copy_blocks
+from worker.kv_pool import initialize_kv_pool
 from worker.loader import load_model
 from worker.lora.lora_manager import LoRAManager
 from worker.lora.lora_step import LoRAStep
@@ -130,65 +131,14 @@ class ModelRunner:
                              f"{limit} positions")
         return wanted
 
-    def _kv_cache_budget(self) -> tuple[int, str]:
-        """Bytes for the KV pool and the key that sets them (for error messages)."""
-        if self.device.type != "cuda":
-            return self.memory_config.kv_cache_bytes, "memory.kv_cache_bytes"
-        from worker.gpu_memory import profile_kv_cache_bytes
-        sched = self.scheduler_config
-        budget, self.graph_reserve_bytes = profile_kv_cache_bytes(
-            self, sched.max_num_batched_tokens, sched.max_num_seqs,
-            self.memory_config.gpu_memory_utilization, with_graphs=self._wants_cuda_graphs())
-        return budget, "memory.gpu_memory_utilization"
-
     def initialize_kv_cache(self) -> int:
-        """Allocate the KV pool from the memory budget; returns the number of blocks.
+        """Allocate the KV pool from the memory budget; returns the number of blocks
+        (worker/kv_pool.py: how the budget is found, and the CUDA graphs after it)."""
+        return initialize_kv_pool(self)
 
-        CPU: memory.kv_cache_bytes. CUDA: what a profiling step at the largest batch and
-        a profiled graph capture leave of memory.gpu_memory_utilization
-        (worker/gpu_memory.py); then the decode CUDA graphs are captured unless
-        worker.enforce_eager. memory.num_blocks, when set, overrides either budget.
-        """
-        spec = self.kv_cache_spec()
-        num_blocks, key = self.memory_config.num_blocks, "memory.num_blocks"
-        if not num_blocks:
-            budget, key = self._kv_cache_budget()
-            draft = self.draft_runner.kv_spec.bytes_per_block if self.draft_runner else 0
-            num_blocks = budget // (spec.bytes_per_block + draft)
-        if self.tp is not None:  # every rank sized its own pool: all use the smallest
-            num_blocks = self.tp.min_int(num_blocks)
-        needed = -(-self.max_model_len // self.block_size) + 1
-        if num_blocks < needed:
-            raise ValueError(
-                f"KV cache too small: {num_blocks} blocks of {self.block_size} tokens cannot "
-                f"hold one sequence of max_model_len={self.max_model_len} ({needed} blocks "
-                f"needed, {spec.bytes_per_block} bytes each); raise {key} or lower "
-                f"model.max_model_len")
-        self.kv_caches = allocate_kv_cache(spec, num_blocks, self.device)
-        if self.draft_runner is not None:
-            self.draft_runner.allocate_kv_cache(num_blocks)
-        log.debug("kv cache allocated", num_blocks=num_blocks,
-                  num_tokens=num_blocks * self.block_size,
-                  bytes=num_blocks * spec.bytes_per_block, sized_by=key)
-        self._maybe_capture_cuda_graphs()
-        return num_blocks
-
-    def _wants_cuda_graphs(self) -> bool:
+    def wants_cuda_graphs(self) -> bool:
         return (self.device.type == "cuda" and not self.worker_config.enforce_eager
                 and self.attention_backend.is_triton and self.tp is None)
-
-    def _maybe_capture_cuda_graphs(self) -> None:
-        if not self._wants_cuda_graphs():
-            return
-        from worker.cuda_graphs import DecodeCudaGraphs
-        self.cuda_graphs = DecodeCudaGraphs.for_runner(self, self.kv_caches)
-        used = self.cuda_graphs.capture()
-        log.info("cuda graph memory", used_mib=round(used / 2 ** 20, 1),
-                 reserved_in_budget_mib=round(self.graph_reserve_bytes / 2 ** 20, 1))
-        if self.graph_reserve_bytes and used > self.graph_reserve_bytes:
-            log.warning("cuda graphs took more memory than the KV budget reserved",
-                        used_mib=round(used / 2 ** 20, 1),
-                        reserved_mib=round(self.graph_reserve_bytes / 2 ** 20, 1))
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
