@@ -34,6 +34,10 @@ class LLM:
     another file; keyword overrides take vLLM's flat names (``model=``, ``dtype=``,
     ``max_num_seqs=``, ``enable_prefix_caching=`` ...) or dotted keys
     (``**{"scheduler.policy": "priority"}``).
+
+    ``tensor_parallel_size=n`` splits the model over n processes: this one is rank 0
+    and ranks 1..n-1 are spawned here (README, "Tensor parallelism"); ``shutdown()``, or
+    leaving a ``with LLM(...)`` block, stops them.
     """
 
     def __init__(self, config: FolioConfig | str | Path | None = None, **overrides: Any):

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from observability.process_stats import command_line
-from tests.services.serve_process import ServeProcess
+from tests.services.serve_process import ServeProcess, processes_using, write_config
 from tests.services.test_serve_e2e import MODEL
 from tests.services.test_serve_lifecycle import (assert_engine_lost, assert_nothing_left,
                                                  open_streams)
@@ -83,3 +83,17 @@ def test_killing_rank_1_mid_stream_stops_the_stack_naming_it(start_stack):
     assert serve.wait(timeout=30) != 0
     assert "worker-rank-1 died" in serve.output()
     assert_nothing_left(serve)
+
+
+def test_a_size_that_does_not_split_the_heads_fails_start_up_naming_the_sizes_that_do(
+        tmp_path, tiny_llama_dir, default_model_path):
+    config = write_config(tmp_path / "tp3.yaml", str(tiny_llama_dir), str(default_model_path),
+                          parallel={"tensor_parallel_size": 3}, worker={"num_threads": 1})
+    serve = ServeProcess(config, tmp_path)
+    assert serve.wait(timeout=300) == 1
+    out = serve.output()
+    assert ("parallel.tensor_parallel_size=3 cannot split this model: it must divide the 4 "
+            "attention heads") in out, out[-3000:]
+    assert "(sizes that work: 1, 2, 4)" in out
+    assert "start-up failed" in out
+    assert not processes_using(config)

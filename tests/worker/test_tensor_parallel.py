@@ -133,3 +133,11 @@ def test_tp3_default_model_matches_size_one():
 def test_lora_with_tensor_parallelism_is_refused_at_start_up(tiny_llama_dir, default_model_path):
     with pytest.raises(ValueError, match="LoRA adapters are not sharded yet"):
         make_llm(tiny_llama_dir, 2, tokenizer=str(default_model_path), enable_lora=True)
+
+
+def test_offline_llm_refuses_a_size_that_does_not_split_the_heads_and_stops_its_ranks(
+        tiny_llama_dir, default_model_path):
+    import multiprocessing
+    with pytest.raises(ShardingError, match="sizes that work: 1, 2, 4"):
+        make_llm(tiny_llama_dir, 3, tokenizer=str(default_model_path))
+    assert multiprocessing.active_children() == []
