@@ -104,14 +104,29 @@ def step_logits(runner, lengths) -> list[torch.Tensor]:
     return result
 
 
+def prompt_logprobs(llm) -> list[tuple[int, float]]:
+    """(token, logprob) of each scored prompt token and its top 3, over 100 tokens in
+    64-token chunks: the logits rows rank 0 asks the other ranks for outside sampling."""
+    prompt = {"prompt_token_ids": list(range(300, 400))}
+    out = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=3),
+                       use_tqdm=False)[0]
+    return [(t, lp.logprob) for d in out.prompt_logprobs[1:] for t, lp in d.items()]
+
+
 def check_against_size_one(model, tp, **overrides):
     overrides = dict(max_num_batched_tokens=64, **overrides)  # prompts prefill in chunks
     whole = make_llm(model, 1, **overrides)
     expected = greedy_runs(whole)
+    expected_prompt_logprobs = prompt_logprobs(whole)
     expected_logits = step_logits(whole.runner, [37, 5, 20])
     with make_llm(model, tp, **overrides) as split:
         assert split.runner.model.shard.num_heads * tp == split.runner.arch.num_attention_heads
         assert greedy_runs(split) == expected
+        got = prompt_logprobs(split)
+        assert len(got) >= 99 * 2 and [t for t, _ in got] == [t for t, _ in
+                                                            expected_prompt_logprobs]
+        assert [lp for _, lp in got] == pytest.approx(
+            [lp for _, lp in expected_prompt_logprobs], abs=1e-4)
         for got, want in zip(step_logits(split.runner, [37, 5, 20]), expected_logits):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
