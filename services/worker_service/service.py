@@ -55,6 +55,7 @@ class WorkerService:
         self.num_blocks = loaded.facts.num_blocks
         self.ready = WorkerReady(loaded.facts)
         self.tracer = tracing.tracer if tracing is not None else None
+        self.tp_size = config.parallel.tensor_parallel_size
         self.shutdown_requested = asyncio.Event()
         self.num_steps = 0
         # New requests staged for a step too large for one frame, until its ExecuteStep.
@@ -148,7 +149,10 @@ class WorkerService:
                     "folio.num_new_requests": len(so.scheduled_new_reqs),
                     "folio.prepare_seconds": timing.prepare_seconds,
                     "folio.forward_seconds": timing.forward_seconds,
-                    "folio.sample_seconds": timing.sample_seconds}).end(end_time=end_ns)
+                    "folio.sample_seconds": timing.sample_seconds,
+                    # this span is rank 0's; the others ran the same forward in lockstep
+                    "folio.rank": 0,
+                    "folio.tensor_parallel_size": self.tp_size}).end(end_time=end_ns)
         prepared_ns = start_ns + int(timing.prepare_seconds * 1e9)
         new = {r.req_id: r for r in so.scheduled_new_reqs}
         for req_id, traceparent in message.request_traceparents.items():
