@@ -54,6 +54,8 @@ FLAT_ALIASES = {
     "prompt_lookup_max": "speculative.prompt_lookup_max",
     "speculative_draft_model": "speculative.draft_model",
     "speculative_disable_by_batch_size": "speculative.disable_by_batch_size",
+    "tensor_parallel_size": "parallel.tensor_parallel_size",
+    "distributed_backend": "parallel.distributed_backend",
 }
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 # ConfigError and every section are importable from here: the tree's one front door.
 from config.fields import ConfigError, _check, _f  # noqa: F401
 from config.lora import LoRAConfig
+from config.parallel import ParallelConfig
 from config.serving import APIConfig, ServicesConfig
 from config.speculative import SpeculativeConfig
 
@@ -201,3 +202,4 @@ class FolioConfig:
     api: APIConfig = field(default_factory=APIConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

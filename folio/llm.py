@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -16,6 +17,9 @@ from text.output_processor import OutputProcessor
 from text.request_output import RequestOutput
 from text.tokenizer import Tokenizer
 from worker.bootstrap import in_process_engine
+from worker.distributed.follower import check_tp_supported
+from worker.distributed.rank_processes import RankProcesses
+from worker.distributed.tp_group import destroy_tp_group
 
 log = get_logger(__name__)
 
@@ -30,6 +34,10 @@ class LLM:
     another file; keyword overrides take vLLM's flat names (``model=``, ``dtype=``,
     ``max_num_seqs=``, ``enable_prefix_caching=`` ...) or dotted keys
     (``**{"scheduler.policy": "priority"}``).
+
+    ``tensor_parallel_size=n`` splits the model over n processes: this one is rank 0
+    and ranks 1..n-1 are spawned here (README, "Tensor parallelism"); ``shutdown()``, or
+    leaving a ``with LLM(...)`` block, stops them.
     """
 
     def __init__(self, config: FolioConfig | str | Path | None = None, **overrides: Any):
@@ -42,10 +50,38 @@ class LLM:
         obs = self.config.observability
         configure_logging(obs.log_level, obs.log_format)
         log.debug("config resolved", config=config_to_dict(self.config))
-        loaded, self.engine = in_process_engine(self.config)
+        self._ranks = None  # tensor parallelism: ranks 1..n-1 run in child processes
+        if self.config.parallel.is_enabled:
+            check_tp_supported(self.config)  # before any rank starts
+            self.config = replace(self.config,
+                                  parallel=self.config.parallel.with_rendezvous_port())
+            self._ranks = RankProcesses(self.config)
+        try:
+            loaded, self.engine = in_process_engine(self.config)
+        except BaseException:
+            self.shutdown()
+            raise
         self.runner, self.tokenizer = loaded.runner, loaded.tokenizer
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks and leave the group (nothing to do at
+        size 1). The LLM cannot generate afterwards."""
+        if self._ranks is None:
+            return
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.stop_followers()
+        destroy_tp_group()
+        self._ranks.join()
+        self._ranks = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer

@@ -15,6 +15,9 @@ from engine_core.engine import EngineCore
 from engine_core.model_facts import ModelFacts
 from model_files.paths import resolve_model_path
 from text.tokenizer import Tokenizer
+from worker.device import resolve_device
+from worker.distributed.follower import check_tp_supported
+from worker.distributed.tp_group import init_tp_group
 from worker.draft_runner import check_draft_tokenizer
 from worker.model_runner import ModelRunner
 
@@ -30,9 +33,19 @@ class LoadedModel:
 
 def bootstrap_model(config: FolioConfig) -> LoadedModel:
     """Load the model of ``config`` and allocate its KV pool (call on the thread that
-    will run the model: torch keeps one OpenMP team per calling thread)."""
+    will run the model: torch keeps one OpenMP team per calling thread).
+
+    With ``parallel.tensor_parallel_size`` > 1 this process is rank 0: it joins the
+    group (the other ranks must be starting: worker/distributed/rank_processes.py or
+    `folio serve`) and holds rank 0's slice; the facts are every rank's (the KV pool is
+    the smallest any rank can hold)."""
+    tp = None
+    if config.parallel.is_enabled:
+        check_tp_supported(config)
+        tp = init_tp_group(config.parallel, 0, resolve_device(config.worker.device))
     runner = ModelRunner(config.model, config.memory, config.worker, config.scheduler,
-                         lora_config=config.lora, speculative_config=config.speculative)
+                         lora_config=config.lora, speculative_config=config.speculative,
+                         tp=tp)
     if runner.lora is not None:
         runner.lora.check_declared()  # a bad adapter in the YAML fails start-up
     num_blocks = runner.initialize_kv_cache()

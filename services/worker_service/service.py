@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import contextvars
 import sys
+import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -32,8 +33,10 @@ from services.protocol import (ApplyLoRACommands, ExecuteStep, Health, LoRALoadF
                                Shutdown, StageNewRequests, StepResult, WorkerReady)
 from services.transport import PeerLink, start_site, websocket_route
 from worker.bootstrap import bootstrap_model
+from worker.distributed.rank_processes import run_rank
 
 log = get_logger(__name__)
+STOP_FOLLOWERS_S = 5.0
 
 
 class WorkerService:
@@ -52,6 +55,7 @@ class WorkerService:
         self.num_blocks = loaded.facts.num_blocks
         self.ready = WorkerReady(loaded.facts)
         self.tracer = tracing.tracer if tracing is not None else None
+        self.tp_size = config.parallel.tensor_parallel_size
         self.shutdown_requested = asyncio.Event()
         self.num_steps = 0
         # New requests staged for a step too large for one frame, until its ExecuteStep.
@@ -145,7 +149,10 @@ class WorkerService:
                     "folio.num_new_requests": len(so.scheduled_new_reqs),
                     "folio.prepare_seconds": timing.prepare_seconds,
                     "folio.forward_seconds": timing.forward_seconds,
-                    "folio.sample_seconds": timing.sample_seconds}).end(end_time=end_ns)
+                    "folio.sample_seconds": timing.sample_seconds,
+                    # this span is rank 0's; the others ran the same forward in lockstep
+                    "folio.rank": 0,
+                    "folio.tensor_parallel_size": self.tp_size}).end(end_time=end_ns)
         prepared_ns = start_ns + int(timing.prepare_seconds * 1e9)
         new = {r.req_id: r for r in so.scheduled_new_reqs}
         for req_id, traceparent in message.request_traceparents.items():
@@ -159,6 +166,19 @@ class WorkerService:
                                    context=context_from_traceparent(traceparent),
                                    start_time=start_ns,
                                    attributes=attributes).end(end_time=prepared_ns)
+
+    async def stop_followers(self) -> None:
+        """Tensor parallelism: tell the other ranks to leave (after the last step). A
+        rank already gone is not waited for: the launcher is stopping the stack."""
+        if self.runner.channel is None:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(loop.run_in_executor(self._pool,
+                                                        self.runner.stop_followers),
+                                   STOP_FOLLOWERS_S)
+        except (asyncio.TimeoutError, RuntimeError) as e:
+            log.warning("could not stop the other tensor-parallel ranks", error=repr(e))
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "num_steps": self.num_steps,
@@ -185,11 +205,45 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
     stop.mark_serving()
     await first_completed(stop.wait(), worker.shutdown_requested.wait())
     await runner.cleanup()
+    await worker.stop_followers()
     tracing.shutdown()
     return 0
 
 
+async def serve_rank(config: FolioConfig, rank: int, stop: StopSignal) -> int:
+    """A tensor-parallel rank other than 0: no socket, only its share of each step
+    (worker/distributed/follower.py). It runs on a daemon thread: a rank blocked in a
+    collective when SIGTERM comes must not hold the process open."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[int] = loop.create_future()
+
+    def finish(status: int) -> None:
+        if not done.done():
+            done.set_result(status)
+
+    def run() -> None:
+        try:
+            status = run_rank(config, rank)
+        except Exception as e:  # rank 0 (or another rank) went away mid-collective
+            log.error("tensor-parallel rank failed", rank=rank, error=repr(e))
+            status = 1
+        loop.call_soon_threadsafe(finish, status)
+
+    threading.Thread(target=run, name=f"folio-tp-rank-{rank}", daemon=True).start()
+    stop.mark_serving()
+    await first_completed(stop.wait(), done)
+    return done.result() if done.done() else 0
+
+
+async def serve_any(config: FolioConfig, args: argparse.Namespace, stop: StopSignal) -> int:
+    if args.rank:
+        return await serve_rank(config, args.rank, stop)
+    return await serve(config, args, stop)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_service("worker", serve, service_arguments("python -m services.worker_service"),
-                       argv)
+    parser = service_arguments("python -m services.worker_service")
+    parser.add_argument("--rank", type=int, default=0,
+                        help="tensor-parallel rank (0: the worker the engine core talks to)")
+    return run_service("worker", serve_any, parser, argv)
 
