@@ -20,3 +20,12 @@ class ChecksumExtension:
 
     def _private(self) -> None:  # never callable through collective_rpc
         raise AssertionError("reached a private method")
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes the KV pool and the weights (a tied head's own copy included) hold now."""
+        model = self.runner.model
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        if model.head_weight is not None:
+            weights += model.head_weight.numel() * model.head_weight.element_size()
+        kv = sum(c.numel() * c.element_size() for c in self.runner.kv_caches)
+        return {"kv_cache": kv, "weights": weights}

@@ -24,20 +24,6 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def perturbed_dir(tiny_llama_dir, tmp_path_factory):
-    """The tiny Llama with every weight nudged (a training step's worth of change)."""
-    import shutil
-    folder = tmp_path_factory.mktemp("tiny_llama_perturbed")
-    shutil.copytree(tiny_llama_dir, folder, dirs_exist_ok=True)
-    weights = load_file(str(tiny_llama_dir / "model.safetensors"))
-    gen = torch.Generator().manual_seed(11)
-    nudged = {n: (t + 0.05 * torch.randn(t.shape, generator=gen)).contiguous()
-              for n, t in weights.items()}
-    save_file(nudged, str(folder / "model.safetensors"), metadata={"format": "pt"})
-    return folder
-
-
-@pytest.fixture(scope="module")
 def make_llm(tiny_llama_dir, default_model_path):
     from folio import LLM
 
@@ -83,15 +69,15 @@ def test_sleep_needs_sleep_mode(make_llm):
 
 
 def test_update_weights_matches_a_fresh_llm_and_back(make_llm, prompts, tiny_llama_dir,
-                                                     perturbed_dir):
+                                                     perturbed_llama_dir):
     llm = make_llm()
     original = run(llm, prompts)
-    expected = run(make_llm(model=perturbed_dir), prompts)
+    expected = run(make_llm(model=perturbed_llama_dir), prompts)
     assert expected != original  # the nudge changes what the model says
     down = "layers.1.mlp.down_proj.weight"
     sums = (llm.collective_rpc("weight_checksum", (down,))[0],
             llm.collective_rpc("head_checksum")[0])
-    assert llm.update_weights(perturbed_dir / "model.safetensors") > 0
+    assert llm.update_weights(perturbed_llama_dir / "model.safetensors") > 0
     assert run(llm, prompts) == expected
     new_sums = (llm.collective_rpc("weight_checksum", (down,))[0],
                 llm.collective_rpc("head_checksum")[0])
@@ -102,11 +88,11 @@ def test_update_weights_matches_a_fresh_llm_and_back(make_llm, prompts, tiny_lla
             llm.collective_rpc("head_checksum")[0]) == sums
 
 
-def test_update_from_a_state_dict_of_some_weights(make_llm, prompts, perturbed_dir):
+def test_update_from_a_state_dict_of_some_weights(make_llm, prompts, perturbed_llama_dir):
     """A partial in-memory update: only the q/k/v rows of layer 0 (fused in Folio)."""
     llm = make_llm()
     original = run(llm, prompts)
-    nudged = load_file(str(perturbed_dir / "model.safetensors"))
+    nudged = load_file(str(perturbed_llama_dir / "model.safetensors"))
     part = {n: t for n, t in nudged.items() if n.startswith("model.layers.0.self_attn.")
             and n.split(".")[-2] in ("q_proj", "k_proj", "v_proj")}
     assert llm.update_weights(part) == 3
@@ -124,12 +110,12 @@ def test_update_from_a_state_dict_of_some_weights(make_llm, prompts, perturbed_d
      "model.layers.9.mlp.up_proj.weight"),
     ({"model.norm.weight": torch.full((64,), float("nan"))}, "model.norm.weight"),
 ])
-def test_bad_update_changes_nothing(make_llm, prompts, perturbed_dir, tmp_path, bad, tensor):
+def test_bad_update_changes_nothing(make_llm, prompts, perturbed_llama_dir, tmp_path, bad, tensor):
     llm = make_llm()
     original = run(llm, prompts)
     down = llm.collective_rpc("weight_checksum", ("layers.0.mlp.down_proj.weight",))
     # good tensors first, the bad one last: none of them may land
-    good = load_file(str(perturbed_dir / "model.safetensors"))
+    good = load_file(str(perturbed_llama_dir / "model.safetensors"))
     path = tmp_path / "bad.safetensors"
     save_file({**good, **bad}, str(path))
     with pytest.raises(WeightUpdateError, match=tensor.replace(".", r"\.")) as info:
@@ -142,13 +128,13 @@ def test_bad_update_changes_nothing(make_llm, prompts, perturbed_dir, tmp_path, 
 
 
 def test_cached_prompt_is_not_served_from_cache_after_update(make_llm, prompts,
-                                                             perturbed_dir):
+                                                             perturbed_llama_dir):
     llm = make_llm()
     prompt = [{"prompt_token_ids": prompts[3]}]  # 70 tokens: 4 full blocks
     llm.generate(prompt, GREEDY, use_tqdm=False)
     hit = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
     assert hit.num_cached_tokens == 64
-    llm.update_weights(perturbed_dir)
+    llm.update_weights(perturbed_llama_dir)
     after = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
     assert after.num_cached_tokens == 0
     assert llm.generate(prompt, GREEDY, use_tqdm=False)[0].num_cached_tokens == 64
