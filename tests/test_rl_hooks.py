@@ -159,3 +159,23 @@ def test_collective_rpc_refuses_what_the_extension_does_not_define(make_llm):
     no_extension = make_llm(worker_extension_cls=None)
     with pytest.raises(RPCRefused, match="extension_cls"):
         no_extension.collective_rpc("weight_checksum", ("norm.weight",))
+
+
+def test_update_untied_model_with_biases(make_llm, prompts, tiny_qwen2_dir, tmp_path):
+    """Qwen2: q/k/v biases land in their rows of the fused bias, the untied head too."""
+    import shutil
+    weights = load_file(str(tiny_qwen2_dir / "model.safetensors"))
+    gen = torch.Generator().manual_seed(5)
+    nudged = {n: (t + 0.05 * torch.randn(t.shape, generator=gen)).contiguous()
+              for n, t in weights.items()}
+    folder = tmp_path / "qwen2_nudged"
+    shutil.copytree(tiny_qwen2_dir, folder)
+    save_file(nudged, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    llm = make_llm(model=tiny_qwen2_dir)
+    original = run(llm, prompts)
+    expected = run(make_llm(model=folder), prompts)
+    assert expected != original
+    assert llm.update_weights(nudged) == len(weights)
+    assert run(llm, prompts) == expected
+    llm.update_weights(tiny_qwen2_dir)
+    assert run(llm, prompts) == original

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from model_files.paths import ModelFileError
-from worker.hf_loader import _IGNORED_SUFFIXES, _read_safetensors, safetensors_files
+from worker.hf_loader import IGNORED_SUFFIXES, read_safetensors, safetensors_files
 from worker.models.architecture import ModelArchitecture
 from worker.weight_names import expected_weight_shapes
 
@@ -67,10 +67,10 @@ def read_update_weights(source: str | Path | Mapping[str, torch.Tensor]
                 raise WeightUpdateError(f"no such file or folder: {path}", None)
             tensors = {}
             for file in files:
-                tensors.update(_read_safetensors(file))
+                tensors.update(read_safetensors(file))
         except ModelFileError as e:
             raise WeightUpdateError(str(e)) from None
-    return {n: t for n, t in tensors.items() if not n.endswith(_IGNORED_SUFFIXES)}
+    return {n: t for n, t in tensors.items() if not n.endswith(IGNORED_SUFFIXES)}
 
 
 def _fused_rows(arch: ModelArchitecture, fused: str, part: int) -> slice:
