@@ -40,6 +40,10 @@ class WorkerControl:
         return self.sleep_mode.is_sleeping
 
     def sleep(self, level: int) -> None:
+        if level == 2 and self.num_weight_updates:
+            log.warning("sleep level 2 drops the updated weights: wake reloads model.path "
+                        "(send the update again after waking)",
+                        num_weight_updates=self.num_weight_updates)
         self.sleep_mode.sleep(level)
 
     def wake_up(self) -> None:
