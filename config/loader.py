@@ -44,6 +44,8 @@ FLAT_ALIASES = {
     "num_threads": "worker.num_threads",
     "enforce_eager": "worker.enforce_eager",
     "attention_backend": "worker.attention_backend",
+    "enable_sleep_mode": "worker.enable_sleep_mode",
+    "worker_extension_cls": "worker.extension_cls",
     "enable_lora": "lora.enable_lora",
     "max_loras": "lora.max_loras",
     "max_lora_rank": "lora.max_lora_rank",

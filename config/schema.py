@@ -132,6 +132,14 @@ class WorkerConfig:
                                "contiguous), 1.5-5x faster matmuls at 4-32 rows; a tied LM "
                                "head gets its own copy (vocab x hidden more memory). 16-bit "
                                "weights stay row-major where the native kernel reads them")
+    enable_sleep_mode: bool = _f(False, "serve LLM.sleep/wake_up and POST /sleep, /wake_up, "
+                                 "GET /is_sleeping (RL hooks: free the KV pool, level 2 "
+                                 "the weights too, between generations)")
+    enable_weight_updates: bool = _f(False, "serve POST /update_weights (a safetensors file "
+                                     "or folder the worker can read; behind the API key)")
+    extension_cls: str | None = _f(None, "'package.module:Class' whose public methods "
+                                   "LLM.collective_rpc may call on the worker (constructed "
+                                   "with the ModelRunner); null: none")
 
     def __post_init__(self):
         _check(self.device in DEVICES, "worker.device",
@@ -139,6 +147,10 @@ class WorkerConfig:
         _check(self.attention_backend in ATTENTION_BACKENDS, "worker.attention_backend",
                f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _check(self.num_threads >= 0, "worker.num_threads", "must be non-negative")
+        _check(self.extension_cls is None or (
+            isinstance(self.extension_cls, str) and self.extension_cls.count(":") == 1),
+            "worker.extension_cls", f"must be 'package.module:Class', got "
+            f"{self.extension_cls!r}")
 
 
 LOG_FORMATS = ("console", "json")

@@ -11,6 +11,7 @@ from config.loader import config_to_dict, load_config
 from config.schema import FolioConfig
 from engine_core.sampling_params import InvalidRequestError, SamplingParams
 from folio.lora_request import LoRARequest
+from folio.rl_hooks import RLHooks
 from observability.logging import configure_logging, get_logger
 from text.grammar_compiler import GrammarError
 from text.output_processor import OutputProcessor
@@ -27,13 +28,14 @@ PromptType = str | dict[str, Any] | list[int]
 LoRARequests = LoRARequest | Sequence[LoRARequest | None] | None
 
 
-class LLM:
+class LLM(RLHooks):
     """vLLM-style offline engine over the same EngineCore and ModelRunner the services use.
 
     ``LLM()`` serves the default model from config/default.yaml; ``LLM("my.yaml")`` reads
     another file; keyword overrides take vLLM's flat names (``model=``, ``dtype=``,
     ``max_num_seqs=``, ``enable_prefix_caching=`` ...) or dotted keys
-    (``**{"scheduler.policy": "priority"}``).
+    (``**{"scheduler.policy": "priority"}``). Between ``generate`` calls the RL hooks
+    (folio/rl_hooks.py) sleep and wake it, update its weights and reset its prefix cache.
 
     ``tensor_parallel_size=n`` splits the model over n processes: this one is rank 0
     and ranks 1..n-1 are spawned here (README, "Tensor parallelism"); ``shutdown()``, or
@@ -62,6 +64,7 @@ class LLM:
             self.shutdown()
             raise
         self.runner, self.tokenizer = loaded.runner, loaded.tokenizer
+        self.worker_control = loaded.control
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 

@@ -19,9 +19,11 @@ from engine_core.model_facts import ModelFacts
 from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler_output import NewRequestData, SchedulerOutput
+from services.control_protocol import (ControlReply, ControlRequest, WorkerControlDone,
+                                       WorkerControlOp)
 from services.wire_codec import ProtocolError, dataclass_from_plain, to_plain  # noqa: F401 (ProtocolError: re-exported)
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 # The health snapshot's contract between the engine core (publisher) and every API
 # process (reader): pushed at most every PUBLISH interval when it changed and at least
@@ -228,7 +230,8 @@ MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
     AddRequest, AbortRequest, OutputDelta, RequestRejected, QueueState, ExecuteStep,
     StageNewRequests, StepResult, WorkerReady, Health, HealthSnapshot, GetMetrics, Metrics,
     LoadLoRAAdapter, UnloadLoRAAdapter, ListLoRAAdapters, LoRAReply, ApplyLoRACommands,
-    LoRALoadFinished, Shutdown)}
+    LoRALoadFinished, ControlRequest, ControlReply, WorkerControlOp, WorkerControlDone,
+    Shutdown)}
 
 
 def encode(message: Any) -> bytes:

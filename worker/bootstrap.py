@@ -20,15 +20,18 @@ from worker.distributed.follower import check_tp_supported
 from worker.distributed.tp_group import init_tp_group
 from worker.draft_runner import check_draft_tokenizer
 from worker.model_runner import ModelRunner
+from worker.worker_control import WorkerControl
 
 
 @dataclass(slots=True)
 class LoadedModel:
-    """A model ready to run: its runner (weights + KV cache), tokenizer and facts."""
+    """A model ready to run: its runner (weights + KV cache), tokenizer, facts and
+    control verbs (sleep, weight updates, collective_rpc)."""
 
     runner: ModelRunner
     tokenizer: Tokenizer
     facts: ModelFacts
+    control: WorkerControl
 
 
 def bootstrap_model(config: FolioConfig) -> LoadedModel:
@@ -60,7 +63,7 @@ def bootstrap_model(config: FolioConfig) -> LoadedModel:
                        vocab_size=runner.arch.vocab_size, eos_token_ids=eos_token_ids,
                        dtype=str(runner.dtype).removeprefix("torch."),
                        device=str(runner.device))
-    return LoadedModel(runner, tokenizer, facts)
+    return LoadedModel(runner, tokenizer, facts, WorkerControl(runner, config.worker))
 
 
 def in_process_engine(config: FolioConfig) -> tuple[LoadedModel, EngineCore]:

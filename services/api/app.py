@@ -24,6 +24,7 @@ from services.api.auth import CACHE_SALT, TENANT, APIKeys, Authenticator
 from services.api.body_budget import BodyBudget
 from services.api.body_rate import BodyRate
 from services.api.connection_guard import CONNECTION_GUARD, ConnectionGuard
+from services.api.control_routes import ControlRoutes
 from services.api.engine_client import EngineClient, EngineDead
 from services.api.errors import error_middleware
 from services.api.expect_continue import ExpectContinue
@@ -101,6 +102,7 @@ class APIServer:
             LoRARoutes(self.engine, self.lora, self.model_name, self._body).add_to(
                 app.router, expect)
         VLLMRoutes(self).add_to(app.router, expect)
+        ControlRoutes(self.engine, self._body).add_to(app.router, expect)
         return app
 
     async def _close(self, app: web.Application) -> None:
@@ -187,7 +189,7 @@ class APIServer:
 
     async def health(self, request) -> web.Response:
         """200 from the engine core's latest pushed snapshot (a probe never reaches the
-        engine core); 503 while this process drains, when the link is down, the
+        engine core), ``status`` "sleeping" while the model sleeps; 503 while this process drains, when the link is down, the
         snapshot is stale or says the engine failed. The gauges go to callers with a
         valid key, or to all when the API is open or ``api.public_health_detail``."""
         if self.admission.draining:
@@ -199,10 +201,11 @@ class APIServer:
             raise unavailable("the engine core has failed")
         # /health is public: the auth middleware lets a caller without a key through,
         # and sets the tenant's cache salt only for a valid key.
+        status = "sleeping" if snapshot.detail.get("is_sleeping") else "ok"
         if self.api_keys.enabled and not (self.api.public_health_detail
                                           or CACHE_SALT in request):
-            return web.json_response({"status": "ok"})
-        return web.json_response({"status": "ok", "engine": snapshot.detail,
+            return web.json_response({"status": status})
+        return web.json_response({"status": status, "engine": snapshot.detail,
                                   "api": {"num_in_flight": self.admission.num_in_flight}})
 
     async def metrics(self, request) -> web.Response:

@@ -5,7 +5,8 @@ with WorkerReady as the first frame of every engine-core link. All torch work ru
 one dedicated thread so the event loop still answers health probes while the forward
 pass runs (torch releases the GIL inside its kernels). LoRA adapters load on their own
 thread (worker/lora/lora_manager.py); each finished load is reported with a
-LoRALoadFinished as soon as it is done, between step results. Evictions run between
+LoRALoadFinished as soon as it is done, between step results. Evictions and control
+verbs (WorkerControlOp: sleep, wake, weight updates, collective_rpc) run between
 steps: this handler takes one message at a time.
 """
 from __future__ import annotations
@@ -30,10 +31,13 @@ from services.endpoints import worker_endpoint
 from services.entrypoint import (StopSignal, first_completed, log_ready, run_service,
                                  service_arguments)
 from services.protocol import (ApplyLoRACommands, ExecuteStep, Health, LoRALoadFinished,
-                               Shutdown, StageNewRequests, StepResult, WorkerReady)
+                               Shutdown, StageNewRequests, StepResult, WorkerControlDone,
+                               WorkerControlOp, WorkerReady, encoded_size)
 from services.transport import PeerLink, start_site, websocket_route
 from worker.bootstrap import bootstrap_model
 from worker.distributed.rank_processes import run_rank
+from worker.weight_update import WeightUpdateError
+from worker.worker_extension import RPCRefused
 
 log = get_logger(__name__)
 STOP_FOLLOWERS_S = 5.0
@@ -52,6 +56,7 @@ class WorkerService:
         loaded = self._pool.submit(contextvars.copy_context().run, bootstrap_model,
                                    config).result()
         self.runner = loaded.runner
+        self.control = loaded.control
         self.num_blocks = loaded.facts.num_blocks
         self.ready = WorkerReady(loaded.facts)
         self.tracer = tracing.tracer if tracing is not None else None
@@ -76,6 +81,9 @@ class WorkerService:
                 await link.send(reply)
             elif isinstance(message, ApplyLoRACommands):
                 self._apply_lora(link, message)
+            elif isinstance(message, WorkerControlOp):
+                await link.send(await loop.run_in_executor(self._pool, self._control,
+                                                           message))
             elif isinstance(message, Health):
                 await link.send(Health(True, {"steps": str(self.num_steps)}))
             elif isinstance(message, Shutdown):
@@ -107,6 +115,39 @@ class WorkerService:
             lora.evict(lora_id)
         for load in message.loads:
             lora.start_load(load, report)
+
+    def _control(self, message: WorkerControlOp) -> WorkerControlDone:
+        """Run one control verb (on the torch thread); a refusal changes nothing."""
+        c = self.control
+        try:
+            if message.op == "sleep":
+                c.sleep(message.level)
+            elif message.op == "wake_up":
+                c.wake_up()
+            elif message.op == "update_weights":
+                return WorkerControlDone(True, f"{c.update_weights(message.path)} tensors "
+                                         f"updated")
+            elif message.op == "collective_rpc":
+                result = c.collective_rpc(message.method, message.args)
+                try:
+                    encoded_size(result)
+                except (TypeError, ValueError):
+                    return WorkerControlDone(False, f"{message.method} returned a "
+                                             f"{type(result).__name__}, which cannot travel "
+                                             f"(msgpack values only)", code="failed")
+                return WorkerControlDone(True, result=result)
+            else:
+                return WorkerControlDone(False, f"unknown control verb {message.op!r}",
+                                         code="bad_request")
+        except WeightUpdateError as e:
+            return WorkerControlDone(False, str(e), tensor=e.tensor, code="bad_request")
+        except (RPCRefused, ValueError) as e:
+            return WorkerControlDone(False, str(e), code="bad_request")
+        except Exception as e:  # reported; the engine core answers the caller with it
+            log.error("control verb failed", op=message.op, error=repr(e),
+                      traceback=traceback.format_exc())
+            return WorkerControlDone(False, f"{message.op} failed: {e!r}", code="failed")
+        return WorkerControlDone(True)
 
     def _unstage(self, message: ExecuteStep) -> ExecuteStep | StepResult:
         """The step with its staged new requests back in front (an error StepResult if
@@ -182,7 +223,8 @@ class WorkerService:
 
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "num_steps": self.num_steps,
-                                  "num_blocks": self.num_blocks})
+                                  "num_blocks": self.num_blocks,
+                                  "sleep_level": self.control.sleep_mode.level})
 
     def app(self) -> web.Application:
         app = web.Application()
