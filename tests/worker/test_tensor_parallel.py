@@ -150,6 +150,15 @@ def test_lora_with_tensor_parallelism_is_refused_at_start_up(tiny_llama_dir, def
         make_llm(tiny_llama_dir, 2, tokenizer=str(default_model_path), enable_lora=True)
 
 
+@pytest.mark.parametrize("key,value", [("worker.enable_sleep_mode", True),
+                                       ("worker.enable_weight_updates", True)])
+def test_rl_hooks_with_tensor_parallelism_are_refused_at_start_up(tiny_llama_dir,
+                                                                  default_model_path, key,
+                                                                  value):
+    with pytest.raises(ValueError, match=f"{key} with parallel.tensor_parallel_size > 1"):
+        make_llm(tiny_llama_dir, 2, tokenizer=str(default_model_path), **{key: value})
+
+
 def test_offline_llm_refuses_a_size_that_does_not_split_the_heads_and_stops_its_ranks(
         tiny_llama_dir, default_model_path):
     import multiprocessing

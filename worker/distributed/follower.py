@@ -31,6 +31,13 @@ def check_tp_supported(config: FolioConfig) -> None:
     if config.speculative.method == "draft_model":
         raise ValueError("speculative.method=draft_model with parallel.tensor_parallel_size "
                          "> 1 is not supported yet; ngram speculation works")
+    worker = config.worker
+    for key, on in (("worker.enable_sleep_mode", worker.enable_sleep_mode),
+                    ("worker.enable_weight_updates", worker.enable_weight_updates),
+                    ("worker.extension_cls", bool(worker.extension_cls))):
+        if on:  # the RL hooks act on rank 0's runner only
+            raise ValueError(f"{key} with parallel.tensor_parallel_size > 1 is not "
+                             f"supported yet: the RL hooks run at size 1")
 
 
 def load_rank(config: FolioConfig, tp: TPGroup) -> ModelRunner:
