@@ -11,6 +11,7 @@ import pytest
 
 from tests.services.serve_process import running, write_config
 
+HEAP_SLACK = 2 * 2 ** 20
 KV_CACHE_BYTES = 256 * 1024 ** 2
 PROMPTS = ["The three primary colours are", "def add(a, b):\n"]
 
@@ -71,7 +72,10 @@ def test_sleep_gives_back_the_kv_pool_and_the_weights(tmp_path):
           {k: tuple(round(v / 2 ** 20, 1) for v in val) if isinstance(val, tuple)
            else round(val / 2 ** 20, 1) for k, val in m.items()})
     assert m["kv_cache_bytes"] >= KV_CACHE_BYTES * 0.99  # the pool is whole blocks
+    # VmRSS also moves with the interpreter's own heap while the sleep request is
+    # handled (measured drops exceeded the freed tensors by only 0.2-0.3 MiB at level 2),
+    # so the freed tensors must show up less HEAP_SLACK
     awake, asleep, _ = m["level1"]
-    assert awake - asleep >= m["kv_cache_bytes"]
+    assert awake - asleep >= m["kv_cache_bytes"] - HEAP_SLACK
     awake, asleep, _ = m["level2"]
-    assert awake - asleep >= m["kv_cache_bytes"] + m["weight_bytes"]
+    assert awake - asleep >= m["kv_cache_bytes"] + m["weight_bytes"] - HEAP_SLACK
