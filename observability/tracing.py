@@ -29,11 +29,11 @@ class Tracing:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        self._sampler = _retunable_sampler(config.trace_sample_ratio)
         self._provider = TracerProvider(
             resource=Resource.create({"service.name": f"folio-{service}",
                                       "service.namespace": "folio"}),
-            sampler=ParentBased(TraceIdRatioBased(config.trace_sample_ratio)))
+            sampler=self._sampler)
         self._provider.add_span_processor(BatchSpanProcessor(_exporter(config)))
         self.tracer = self._provider.get_tracer("folio")
 
@@ -41,10 +41,43 @@ class Tracing:
     def enabled(self) -> bool:
         return self.tracer is not None
 
+    def set_sample_ratio(self, ratio: float) -> None:
+        """Sample this fraction of new traces from now on (a live retune)."""
+        if self._provider is not None:
+            self._sampler.set_ratio(ratio)
+
     def shutdown(self) -> None:
         """Flush what is buffered and stop exporting."""
         if self._provider is not None:
             self._provider.shutdown()
+
+
+# Spans of operator actions, recorded whatever the sample ratio (they are rare).
+ALWAYS_SAMPLED_SPANS = frozenset({"config.reload"})
+
+
+def _retunable_sampler(ratio: float):
+    """``ParentBased(TraceIdRatioBased(ratio))`` whose ratio can change while spans are
+    being started (one attribute swap; a span sees the old or the new sampler)."""
+    from opentelemetry.sdk.trace.sampling import (ALWAYS_ON, ParentBased, Sampler,
+                                                  TraceIdRatioBased)
+
+    class RetunableSampler(Sampler):
+        def __init__(self):
+            self.set_ratio(ratio)
+
+        def set_ratio(self, value: float) -> None:
+            self.ratio = value
+            self._inner = ParentBased(TraceIdRatioBased(value))
+
+        def should_sample(self, parent_context, trace_id, name, *args, **kwargs):
+            inner = ALWAYS_ON if name in ALWAYS_SAMPLED_SPANS else self._inner
+            return inner.should_sample(parent_context, trace_id, name, *args, **kwargs)
+
+        def get_description(self) -> str:
+            return f"Retunable{{{self._inner.get_description()}}}"
+
+    return RetunableSampler()
 
 
 def _exporter(config: ObservabilityConfig):

@@ -8,10 +8,11 @@ from collections import deque
 
 from engine_core.model_facts import ModelFacts
 from engine_core.sampling_params import SamplingParams
-from services.protocol import (HEALTH_MAX_AGE_S, AbortRequest, AddRequest, GetMetrics,
-                               HealthSnapshot, ListLoRAAdapters, LoadLoRAAdapter, LoRAReply,
+from services.protocol import (HEALTH_MAX_AGE_S, AbortRequest, AddRequest,
+                               ConfigReloaded, ConfigUpdate, GetMetrics, HealthSnapshot, ListLoRAAdapters, LoadLoRAAdapter, LoRAReply,
                                Metrics, OutputDelta, ProtocolError, QueueState,
-                               RequestRejected, UnloadLoRAAdapter, WorkerReady)
+                               ReloadConfig, RequestRejected, UnloadLoRAAdapter,
+                               WorkerReady)
 from services.transport import Endpoint, PeerLink, connect
 
 
@@ -31,7 +32,9 @@ class EngineClient:
     requests are answered in order on the same link, so replies match a FIFO of
     waiters; LoRA requests carry an id their LoRAReply repeats (a load is answered
     only when the worker has checked the adapter). Health is never asked for: the
-    engine core pushes HealthSnapshots.
+    engine core pushes HealthSnapshots, and its running config (ConfigUpdate, to
+    ``on_config``) on joining and after every applied reload; a ReloadConfig carries an
+    id its ConfigReloaded repeats.
     """
 
     def __init__(self, endpoint: Endpoint, client_id: str):
@@ -42,8 +45,10 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue] = {}
         # replies to GetMetrics come back in order on the one link
         self._waiters: dict[type, deque[asyncio.Future]] = {Metrics: deque()}
-        self._lora_waiters: dict[str, asyncio.Future] = {}  # LoRA request id → reply
+        self._lora_waiters: dict[str, asyncio.Future] = {}  # LoRA/config request id → reply
         self._lora_ids = itertools.count()
+        self.on_config = None  # called with each ConfigUpdate's JSON (live retune)
+        self.config_json: str | None = None  # the latest one
         self._reader: asyncio.Task | None = None
         self.model_facts: ModelFacts | None = None  # from the engine core's WorkerReady
         self.alive = False
@@ -82,7 +87,11 @@ class EngineClient:
                 queue = self._queues.get(message.req_id)
                 if queue is not None:
                     queue.put_nowait(message)
-            elif isinstance(message, LoRAReply):
+            elif isinstance(message, ConfigUpdate):
+                self.config_json = message.config_json
+                if self.on_config is not None:
+                    self.on_config(message.config_json)
+            elif isinstance(message, (LoRAReply, ConfigReloaded)):
                 waiter = self._lora_waiters.pop(message.request_id, None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(message)
@@ -152,6 +161,20 @@ class EngineClient:
         self._lora_waiters[request_id] = waiter
         try:
             await self._link.send(message)
+            return await asyncio.wait_for(waiter, timeout)
+        finally:
+            self._lora_waiters.pop(request_id, None)
+
+    async def reload_config(self, timeout: float = 90.0) -> ConfigReloaded:
+        """Ask the engine core to re-read the YAML; its answer comes after this
+        process has taken the new config (the ConfigUpdate precedes it on the link)."""
+        if not self.alive:
+            raise EngineDead("the engine core is not reachable")
+        request_id = f"{self.client_id}-config-{next(self._lora_ids)}"
+        waiter = asyncio.get_running_loop().create_future()
+        self._lora_waiters[request_id] = waiter
+        try:
+            await self._link.send(ReloadConfig(request_id))
             return await asyncio.wait_for(waiter, timeout)
         finally:
             self._lora_waiters.pop(request_id, None)

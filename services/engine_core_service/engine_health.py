@@ -76,6 +76,9 @@ class EngineHealth:
                 "kv_cache_usage": stats.kv_cache_usage, "num_steps": self.num_steps,
                 "num_split_steps": s.num_split_steps,
                 "num_preemptions": stats.num_preemptions, "num_clients": len(s.clients.links),
+                # the running limits (they change with a live retune)
+                "max_num_seqs": s.engine.scheduler.config.max_num_seqs,
+                "max_num_batched_tokens": s.engine.scheduler.config.max_num_batched_tokens,
                 _CLOCK_GAUGE: self.seconds_stalled()}
 
     def snapshot(self) -> HealthSnapshot:

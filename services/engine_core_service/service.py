@@ -20,6 +20,8 @@ Frames: a step too large for one frame travels in several (step_frames.py); a re
 that could never travel is refused when it is added.
 LoRA: the engine core is the registry of adapters; engine_lora.py answers the API's
 load/unload/list requests and relays load commands and results to and from the worker.
+Config: config_reload.py re-reads the YAML (file watch, SIGHUP, an API's ReloadConfig),
+applies live keys between steps and sends every API process the running config.
 A step that can run nothing while adapters load waits for a wake-up, never spins.
 """
 from __future__ import annotations
@@ -33,6 +35,7 @@ from collections import defaultdict
 
 from aiohttp import web
 
+from config.loader import parse_set_overrides
 from config.schema import FolioConfig
 from engine_core.engine import EngineCore
 from engine_core.lora_registry import UnknownLoRAError
@@ -45,14 +48,16 @@ from services.entrypoint import (StopSignal, first_completed, log_ready, run_ser
                                  service_arguments)
 from observability.tracing import Tracing
 from services.engine_core_service.api_clients import APIClients, send_to_client
+from services.engine_core_service.config_reload import (ConfigReloader, PendingRetune,
+                                                        reload_triggers)
 from services.engine_core_service.engine_health import EngineHealth
 from services.engine_core_service.engine_lora import EngineLoRA
 from services.engine_core_service.engine_observer import EngineObserver
 from services.engine_core_service.step_frames import refusal_param, step_frames
 from services.protocol import (AbortRequest, AddRequest, ExecuteStep, GetMetrics,
                                ListLoRAAdapters, LoadLoRAAdapter, LoRALoadFinished, Metrics,
-                               OutputDelta, RequestRejected, StepResult, UnloadLoRAAdapter,
-                               WorkerReady)
+                               OutputDelta, ReloadConfig, RequestRejected, StepResult,
+                               UnloadLoRAAdapter, WorkerReady)
 from services.transport import (MAX_FRAME_BYTES, Endpoint, PeerLink, connect, start_site,
                                 websocket_route)
 
@@ -88,6 +93,7 @@ class EngineCoreService:
         self.health = EngineHealth(self)
         self.max_frame_bytes = MAX_FRAME_BYTES  # what the worker accepts in one frame
         self.num_split_steps = 0  # steps that needed more than one frame
+        self.reloader = None  # a ConfigReloader once serving (live retune)
 
     async def connect_worker(self, timeout: float = 300.0) -> WorkerReady:
         """Open the worker link and build the EngineCore from its WorkerReady."""
@@ -128,6 +134,8 @@ class EngineCoreService:
         try:
             await self.clients.join(link)
             await self.health.send_to(link)
+            if self.reloader is not None:
+                await link.send(self.reloader.update())
             async for message in link.messages():
                 if isinstance(message, (AddRequest, AbortRequest, LoadLoRAAdapter,
                                         UnloadLoRAAdapter)):
@@ -137,6 +145,8 @@ class EngineCoreService:
                     await link.send(Metrics(self.observer.render_metrics()))
                 elif isinstance(message, ListLoRAAdapters):
                     await link.send(self.lora.list_reply(message))
+                elif isinstance(message, ReloadConfig) and self.reloader is not None:
+                    self.reloader.answer(link, message)
         finally:
             self.clients.leave(link)
         aborted = [r for r, owner in self.owner.items() if owner is link]
@@ -147,6 +157,9 @@ class EngineCoreService:
     async def _apply_inbox(self) -> None:
         inbox, self.inbox = self.inbox, []
         for link, message in inbox:
+            if isinstance(message, PendingRetune):
+                message.apply()
+                continue
             if isinstance(message, AbortRequest):
                 self.engine.abort_request(message.req_ids)
                 continue
@@ -286,8 +299,10 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
     runner = await start_site(core.app(), endpoint, shutdown_timeout=0.5)
     log_ready("engine-core", config, core.ready.facts, endpoint,
               policy=config.scheduler.policy, max_num_seqs=config.scheduler.max_num_seqs)
+    core.reloader = ConfigReloader(core, args.config, parse_set_overrides(args.overrides))
     stop.mark_serving()
-    (loop_task, _), done = await first_completed(core.run(), stop.wait())
+    (loop_task, *_), done = await first_completed(core.run(), stop.wait(),
+                                                  reload_triggers(core.reloader))
     status = 0
     if loop_task in done:
         log.error("engine core stopping: the worker failed", error=str(loop_task.exception()))
