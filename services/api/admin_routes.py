@@ -18,7 +18,7 @@ import os
 
 from aiohttp import web
 
-from config.live_config import API_LIVE, OBSERVABILITY_LIVE, config_from_json
+from config.live_config import LIVE_KEYS, config_from_json
 from config.loader import config_to_dict
 from config.schema import ConfigError, FolioConfig
 from observability.logging import configure_logging, get_logger
@@ -31,12 +31,15 @@ log = get_logger(__name__)
 
 
 def take_live_keys(own: FolioConfig, pushed: FolioConfig) -> FolioConfig:
-    """``own`` with its live api and observability keys taken from ``pushed``."""
-    return dataclasses.replace(
-        own,
-        api=dataclasses.replace(own.api, **{k: getattr(pushed.api, k) for k in API_LIVE}),
-        observability=dataclasses.replace(own.observability, **{
-            k: getattr(pushed.observability, k) for k in OBSERVABILITY_LIVE}))
+    """``own`` with every live key taken from ``pushed`` (what /admin/config shows; this
+    process acts on the api and observability ones)."""
+    sections: dict[str, dict] = {}
+    for dotted in LIVE_KEYS:
+        section, key = dotted.split(".")
+        sections.setdefault(section, {})[key] = getattr(getattr(pushed, section), key)
+    return dataclasses.replace(own, **{
+        section: dataclasses.replace(getattr(own, section), **values)
+        for section, values in sections.items()})
 
 
 class AdminRoutes:

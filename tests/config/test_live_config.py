@@ -107,11 +107,13 @@ def test_an_api_process_takes_only_live_keys_from_a_pushed_config():
     own = BASE
     pushed = edit(BASE, api={"max_n": 3, "max_buffered_body_bytes": 2 ** 23,
                              "max_body_bytes": 2 ** 23},
-                  model={"served_model_name": "other"}, observability={"log_level": "error"})
+                  model={"served_model_name": "other"}, observability={"log_level": "error"},
+                  scheduler={"max_num_seqs": 5, "policy": "fair"})
     taken = take_live_keys(own, pushed)
     assert taken.api.max_n == 3 and taken.api.max_buffered_body_bytes == 2 ** 23
     assert taken.api.max_body_bytes == own.api.max_body_bytes  # restart-only: kept
     assert taken.model == own.model and taken.observability.log_level == "error"
+    assert taken.scheduler.max_num_seqs == 5 and taken.scheduler.policy == "fcfs"
     # live values that only fit the pushed restart-only ones are refused, not half-taken
     small = edit(BASE, api={"max_body_bytes": 2048, "max_buffered_body_bytes": 2048,
                             "tenant_body_burst_bytes": 2048})
