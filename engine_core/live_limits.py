@@ -32,22 +32,23 @@ def apply_live_limits(engine: EngineCore, scheduler_config: SchedulerConfig,
             or scheduler_config.enable_chunked_prefill != old.enable_chunked_prefill):
         raise ValueError("scheduler.policy and scheduler.enable_chunked_prefill are "
                          "restart-only")
+    speculator = scheduler.speculator
+    if speculator is not None and speculative_config is not None:  # all checks first
+        if speculative_config.method != speculator.config.method:
+            raise ValueError("speculative.method is restart-only")
+        # per-position counters were sized for the start-up k
+        if (speculative_config.num_speculative_tokens
+                > len(speculator.stats.num_accepted_tokens_per_pos)):
+            raise ValueError("speculative.num_speculative_tokens may not grow past its "
+                             "start-up value")
     scheduler.config = scheduler_config
     scheduler.limits = replace(scheduler.limits,
                                max_num_batched_tokens=scheduler_config.max_num_batched_tokens)
     if isinstance(scheduler.waiting, FairQueue):  # a turn is worth one step's budget
         scheduler.waiting.base_quantum = float(scheduler_config.max_num_batched_tokens)
     engine.queue_limits = QueueLimits.from_config(scheduler_config)
-    speculator = scheduler.speculator
     if speculator is None or speculative_config is None:
         return
-    if speculative_config.method != speculator.config.method:
-        raise ValueError("speculative.method is restart-only")
-    # per-position counters were sized for the start-up k
-    if (speculative_config.num_speculative_tokens
-            > len(speculator.stats.num_accepted_tokens_per_pos)):
-        raise ValueError("speculative.num_speculative_tokens may not grow past its "
-                         "start-up value")
     speculator.config = speculative_config
     speculator.lengths.max_k = speculative_config.num_speculative_tokens
     speculator.lengths.is_adaptive = speculative_config.enable_adaptive

@@ -44,7 +44,8 @@ class Stack:
         """The file as BASE with ``edits`` merged in, written in one go."""
         sections = {name: dict(values) for name, values in BASE.items()}
         sections["observability"]["otlp_endpoint"] = self.otlp
-        sections["services"] = {"num_api_servers": 2, "socket_dir": self.socket_dir}
+        sections["services"] = {"num_api_servers": 2, "socket_dir": self.socket_dir,
+                                "startup_timeout_s": 600}  # a busy 2-core machine
         for name, values in edits.items():
             sections.setdefault(name, {}).update(values)
         write_config(self.path, *self.model_args, **sections)
@@ -61,7 +62,11 @@ def stack(tiny_llama_dir, default_model_path, tmp_path_factory, receiver):
               socket_dir, receiver.url)
     s.write()
     s.serve = ServeProcess(s.path, folder, env={"OTEL_BSP_SCHEDULE_DELAY": "100"})
-    s.serve.wait_ready()
+    try:
+        s.serve.wait_ready(timeout=600)  # a busy shared machine starts slowly
+    except BaseException:
+        s.serve.stop()
+        raise
     yield s
     assert s.serve.stop() == 0, s.serve.output()[-3000:]
     shutil.rmtree(socket_dir, ignore_errors=True)
