@@ -30,7 +30,7 @@ sys.path.insert(0, str(REPO))
 
 
 def settings(socket_dir: str, max_num_seqs: int) -> dict:
-    return {"model": {"path": "default"},
+    return {"model": {"path": "default", "max_model_len": 2048},
             "memory": {"kv_cache_bytes": 128 * 1024 ** 2},
             "scheduler": {"max_num_seqs": max_num_seqs},
             "observability": {"log_level": "warning"},

@@ -34,7 +34,7 @@ from services.protocol import ConfigReloaded, ConfigUpdate
 log = get_logger("services.engine_core")
 RESULTS = ("applied", "unchanged", "refused", "invalid")
 APPLY_TIMEOUT_S = 60.0  # the step loop applies a retune after its current step
-WATCH_DEBOUNCE_MS = 300  # an editor's save is often several writes
+WATCH_DEBOUNCE_MS = 300  # an editor's save is often several writes: grouped up to this
 
 
 class PendingRetune:
