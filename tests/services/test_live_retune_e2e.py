@@ -167,7 +167,10 @@ def test_editing_max_num_seqs_caps_the_next_steps_and_drops_nothing(stack):
         for index in (0, 1):
             assert (await running_config(stack, index))["scheduler"]["max_num_seqs"] == 2
         await restore(stack)
-        assert (await health(stack))["max_num_seqs"] == 8
+
+        async def back():  # /health answers from a snapshot pushed every 100 ms
+            return (await health(stack))["max_num_seqs"] == 8
+        await wait_until(back, "max_num_seqs 8 in /health")
     asyncio.run(main())
     assert "config reloaded" in stack.serve.output()
 
