@@ -11,6 +11,7 @@ internal messages.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Mapping
 
 from config.schema import ObservabilityConfig
@@ -39,11 +40,12 @@ class Tracing:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         # Resource.create also reads OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME;
         # the attributes given here (resolved from the same variables) take precedence.
+        self._sampler = _retunable_sampler(self.settings)
         self._provider = TracerProvider(
             resource=Resource.create({**self.settings.resource_attributes,
                                       "service.name": self.settings.service_name,
                                       "service.namespace": "folio"}),
-            sampler=make_sampler(self.settings))
+            sampler=self._sampler)
         self._provider.add_span_processor(BatchSpanProcessor(_exporter(self.settings)))
         self.tracer = self._provider.get_tracer("folio")
 
@@ -51,10 +53,44 @@ class Tracing:
     def enabled(self) -> bool:
         return self.tracer is not None
 
+    def set_sample_ratio(self, ratio: float | None) -> None:
+        """Sample this fraction of new traces from now on (a live retune); None: the
+        ratio the environment or the default gave at start (``settings.ratio``)."""
+        if self._provider is not None:
+            self._sampler.set_ratio(self.settings.ratio if ratio is None else ratio)
+
     def shutdown(self) -> None:
         """Flush what is buffered and stop exporting."""
         if self._provider is not None:
             self._provider.shutdown()
+
+
+# Spans of operator actions, recorded whatever the sample ratio (they are rare).
+ALWAYS_SAMPLED_SPANS = frozenset({"config.reload"})
+
+
+def _retunable_sampler(settings: OTelSettings):
+    """The sampler ``settings`` name (otel_env.make_sampler), whose ratio can change
+    while spans are being started (one attribute swap; a span sees the old or the new
+    sampler)."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, Sampler
+
+    class RetunableSampler(Sampler):
+        def __init__(self):
+            self.set_ratio(settings.ratio)
+
+        def set_ratio(self, value: float) -> None:
+            self.ratio = value
+            self._inner = make_sampler(replace(settings, ratio=value))
+
+        def should_sample(self, parent_context, trace_id, name, *args, **kwargs):
+            inner = ALWAYS_ON if name in ALWAYS_SAMPLED_SPANS else self._inner
+            return inner.should_sample(parent_context, trace_id, name, *args, **kwargs)
+
+        def get_description(self) -> str:
+            return f"Retunable{{{self._inner.get_description()}}}"
+
+    return RetunableSampler()
 
 
 def _exporter(settings: OTelSettings):

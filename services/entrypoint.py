@@ -115,6 +115,9 @@ def run_service(name: str, serve: Serve, parser: argparse.ArgumentParser,
                 argv: list[str] | None = None) -> int:
     """Parse arguments, load the config and run ``serve`` under uvloop; the exit status."""
     args = parser.parse_args(argv)
+    # SIGHUP means "reload the config" to a stack; only the engine core acts on it
+    # (config_reload.py), and no service may die of one that comes early.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     _die_with_supervisor()
     try:
         return _run_service(name, serve, args)

@@ -17,7 +17,13 @@ Supervision: an API process that exits or dies is restarted, within
 ``services.api_restart_budget`` restarts a minute, while the others keep serving; past
 the budget the stack drains and stops. The engine core's, the worker's or any
 tensor-parallel rank's death stops the stack at once (they hold every request's state;
-a rank has no health endpoint: rank 0 is healthy only once every rank has loaded). SIGTERM, SIGINT and SIGHUP drain.
+a rank has no health endpoint: rank 0 is healthy only once every rank has loaded).
+SIGTERM and SIGINT drain.
+
+SIGHUP reloads the config (README, "Live retune"): it is passed to the engine core,
+the stack's one config authority (services/engine_core_service/config_reload.py), which
+re-reads the YAML, applies its live keys in every process or refuses the whole change.
+The engine core also watches the file and answers POST /admin/reload_config.
 The socket folder `folio serve` made is removed on every exit path: by the supervisor,
 or, if the supervisor was killed, by whichever child exits first.
 
@@ -221,9 +227,19 @@ class Launcher:
         await self._terminate([c for c in self.children if c not in apis], STOP_GRACE_S)
 
     def _on_signal(self, sig: signal.Signals) -> None:
-        if sig == signal.SIGHUP:  # a config reload will take this over; until then: drain
-            self._say("SIGHUP: draining")
+        if sig == signal.SIGHUP:
+            self._forward_reload()
+            return
         self._stop.set()
+
+    def _forward_reload(self) -> None:
+        """SIGHUP: the engine core reloads the config (and logs what changed)."""
+        core = next((c for c in self.children if c.name == "engine-core"), None)
+        if core is None or core.process is None or core.process.returncode is not None:
+            self._say("SIGHUP: no engine core is running; nothing reloaded")
+            return
+        self._say("SIGHUP: reloading the config")
+        core.process.send_signal(signal.SIGHUP)
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()

@@ -3,7 +3,9 @@ it wires the three services and Jaeger as the README says, and every service com
 and health check in it starts locally, from the repository root, with the very same
 arguments (only environment overrides point it at a tiny model and a free port)."""
 import importlib.util
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,7 +37,7 @@ def test_compose_wires_three_services_and_jaeger(compose):
     assert set(services) == {*FOLIO_SERVICES, "jaeger"}
     for name in FOLIO_SERVICES:
         svc = services[name]
-        assert "./config:/app/config:ro" in svc["volumes"]  # edit the YAML, restart
+        assert "./config:/app/config:ro" in svc["volumes"]  # edit the YAML: live retune
         assert "folio-sockets:/run/folio" in svc["volumes"]
         assert svc["command"][:2] == ["python", "-m"]
         assert importlib.util.find_spec(svc["command"][2]) is not None
@@ -43,6 +45,8 @@ def test_compose_wires_three_services_and_jaeger(compose):
     assert services["engine-core"]["depends_on"]["worker"]["condition"] == "service_healthy"
     assert services["api"]["depends_on"]["engine-core"]["condition"] == "service_healthy"
     assert "8000:8000" in services["api"]["ports"]
+    # the engine core watches the read-only mounted YAML by polling (Docker Desktop)
+    assert services["engine-core"]["environment"]["WATCHFILES_FORCE_POLLING"] == "true"
     jaeger = services["jaeger"]
     assert jaeger["image"].startswith("jaegertracing/")
     assert jaeger["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
@@ -92,18 +96,19 @@ def _local(argv):
     return [sys.executable if argv[0] == "python" else argv[0], *argv[1:]]
 
 
-def _start_locally(compose, names, env) -> list:
-    """Each service's command, in order, each healthy (where it has a check) before the
-    next starts."""
+def _start_locally(compose, names, env, cwd=REPO) -> list:
+    """Each service's command (with its compose environment), in order, each healthy
+    (where it has a check) before the next starts; ``cwd`` stands for /app."""
     procs = []
     for name in names:
         svc = compose["services"][name]
-        procs.append(subprocess.Popen(_local(svc["command"]), cwd=REPO, env=env))
+        procs.append(subprocess.Popen(_local(svc["command"]), cwd=cwd,
+                                      env={**env, **svc.get("environment", {})}))
         if "healthcheck" not in svc:
             continue
         check = _local(svc["healthcheck"]["test"][1:])
         deadline = time.monotonic() + 180
-        while subprocess.run(check, cwd=REPO, env=env, capture_output=True).returncode:
+        while subprocess.run(check, cwd=cwd, env=env, capture_output=True).returncode:
             assert all(p.poll() is None for p in procs), f"a service exited before {name}"
             assert time.monotonic() < deadline, f"{name} never became healthy"
             time.sleep(0.5)
@@ -131,7 +136,7 @@ def _tiny_env(tiny_llama_dir, default_model_path) -> tuple[dict, int]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     sockets = tempfile.mkdtemp(prefix="folio-compose-")
-    return {**os.environ, "FOLIO_SERVICES__SOCKET_DIR": sockets,
+    return {**os.environ, "PYTHONPATH": str(REPO), "FOLIO_SERVICES__SOCKET_DIR": sockets,
             "FOLIO_SERVICES__API_HOST": "127.0.0.1", "FOLIO_SERVICES__API_PORT": str(port),
             "FOLIO_MODEL__PATH": str(tiny_llama_dir),
             "FOLIO_MODEL__TOKENIZER": str(default_model_path),
@@ -146,17 +151,35 @@ def test_compose_commands_start_locally_with_the_same_arguments(compose, tiny_ll
     env, port = _tiny_env(tiny_llama_dir, default_model_path)
     env.update({"FOLIO_OBSERVABILITY__OTLP_ENDPOINT": receiver.url,
                 "OTEL_BSP_SCHEDULE_DELAY": "200"})
+    # /app in the containers: a copy of config/ (the "mount") edited below, the code
+    # from the repository
+    app = Path(tempfile.mkdtemp(prefix="folio-app-"))
+    shutil.copytree(REPO / "config", app / "config")
     procs = []
     try:
-        procs = _start_locally(compose, FOLIO_SERVICES, env)
+        procs = _start_locally(compose, FOLIO_SERVICES, env, cwd=app)
         _complete(port)
         # the compose config traces: the spans reach the collector it names
         receiver.wait_for(lambda spans: {"folio-api", "folio-engine-core", "folio-worker"}
                           <= {s.service for s in spans})
+        # live retune: the edited "mounted" file reaches the API container (the engine
+        # core polls it, as compose's WATCHFILES_FORCE_POLLING says)
+        path = app / "config" / "docker.yaml"
+        path.write_text(path.read_text().replace("max_num_seqs: 128", "max_num_seqs: 3"))
+        deadline = time.monotonic() + 60
+        while _admin_config(port)["scheduler"]["max_num_seqs"] != 3:
+            assert time.monotonic() < deadline, "the edit never reached the API"
+            time.sleep(0.2)
     finally:
         statuses = _stop(procs)
     receiver.close()
+    shutil.rmtree(app, ignore_errors=True)
     assert statuses == [0, 0, 0]
+
+
+def _admin_config(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/admin/config", timeout=10) as r:
+        return json.loads(r.read())
 
 
 @pytest.mark.slow

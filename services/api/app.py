@@ -49,12 +49,13 @@ class APIServer:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str,
                  max_model_len: int, tracer=None, enable_metrics: bool = True,
                  api: APIConfig | None = None, api_keys: APIKeys | None = None,
-                 lora: LoRAConfig | None = None):
+                 lora: LoRAConfig | None = None, admin=None):
         self.engine, self.tokenizer = engine, tokenizer
         self.tracer = tracer  # an OpenTelemetry tracer, or None when tracing is off
         self.enable_metrics = enable_metrics
         self.model_name, self.max_model_len = model_name, max_model_len
         self.api = api or APIConfig()
+        self.admin = admin  # AdminRoutes (live retune), when the process has a config
         self.lora = lora or LoRAConfig()
         self.api_keys = api_keys if api_keys is not None else APIKeys.from_sources(
             self.api.api_keys, os.environ)
@@ -77,8 +78,7 @@ class APIServer:
             self.api.grammar_compile_timeout_s)
 
     def app(self) -> web.Application:
-        public = {"/health", "/metrics"} if self.api.public_metrics else {"/health"}
-        auth = Authenticator(self.api_keys, public)
+        self.auth = auth = Authenticator(self.api_keys, self.public_paths())
         # auth first: a caller without a key learns nothing, not even that we are busy
         app = web.Application(middlewares=[auth.middleware, error_middleware,
                                            self.admission.middleware],
@@ -103,7 +103,13 @@ class APIServer:
                 app.router, expect)
         VLLMRoutes(self).add_to(app.router, expect)
         ControlRoutes(self.engine, self._body).add_to(app.router, expect)
+        if self.admin is not None:
+            self.admin.add_to(app.router, expect)
         return app
+
+    def public_paths(self) -> set[str]:
+        """Paths served without a key (api.public_metrics may change live)."""
+        return {"/health", "/metrics"} if self.api.public_metrics else {"/health"}
 
     async def _close(self, app: web.Application) -> None:
         self.tokens.close()

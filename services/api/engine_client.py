@@ -8,11 +8,12 @@ from collections import deque
 
 from engine_core.model_facts import ModelFacts
 from engine_core.sampling_params import SamplingParams
-from services.protocol import (HEALTH_MAX_AGE_S, AbortRequest, AddRequest, ControlReply,
-                               ControlRequest, GetMetrics, HealthSnapshot, ListLoRAAdapters,
-                               LoadLoRAAdapter, LoRAReply, Metrics, OutputDelta,
-                               ProtocolError, QueueState, RequestRejected,
-                               UnloadLoRAAdapter, WorkerReady)
+from services.protocol import (HEALTH_MAX_AGE_S, AbortRequest, AddRequest, ConfigReloaded,
+                               ConfigUpdate, ControlReply, ControlRequest, GetMetrics,
+                               HealthSnapshot, ListLoRAAdapters, LoadLoRAAdapter, LoRAReply,
+                               Metrics, OutputDelta, ProtocolError, QueueState,
+                               ReloadConfig, RequestRejected, UnloadLoRAAdapter,
+                               WorkerReady)
 from services.transport import Endpoint, PeerLink, connect
 
 
@@ -30,9 +31,10 @@ class EngineClient:
     Each request gets a queue; the reader puts EngineCoreOutput deltas (for every
     sample) or a RequestRejected on it, and None when the engine goes away. Metrics
     requests are answered in order on the same link, so replies match a FIFO of
-    waiters; LoRA and control requests carry an id their reply repeats (a load is
-    answered only when the worker has checked the adapter, a sleep once it slept). Health is never asked for: the
-    engine core pushes HealthSnapshots.
+    waiters; LoRA, control and config requests carry an id their reply repeats (a load
+    is answered only when the worker has checked the adapter, a sleep once it slept).
+    Health is never asked for: the engine core pushes HealthSnapshots, and its running
+    config (ConfigUpdate, to ``on_config``) on joining and after every applied reload.
     """
 
     def __init__(self, endpoint: Endpoint, client_id: str):
@@ -43,8 +45,10 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue] = {}
         # replies to GetMetrics come back in order on the one link
         self._waiters: dict[type, deque[asyncio.Future]] = {Metrics: deque()}
-        self._reply_waiters: dict[str, asyncio.Future] = {}  # LoRA or control id → reply
+        self._reply_waiters: dict[str, asyncio.Future] = {}  # LoRA/control/config id → reply
         self._reply_ids = itertools.count()
+        self.on_config = None  # called with each ConfigUpdate's JSON (live retune)
+        self.config_json: str | None = None  # the latest one
         self._reader: asyncio.Task | None = None
         self.model_facts: ModelFacts | None = None  # from the engine core's WorkerReady
         self.alive = False
@@ -83,7 +87,11 @@ class EngineClient:
                 queue = self._queues.get(message.req_id)
                 if queue is not None:
                     queue.put_nowait(message)
-            elif isinstance(message, (LoRAReply, ControlReply)):
+            elif isinstance(message, ConfigUpdate):
+                self.config_json = message.config_json
+                if self.on_config is not None:
+                    self.on_config(message.config_json)
+            elif isinstance(message, (LoRAReply, ControlReply, ConfigReloaded)):
                 waiter = self._reply_waiters.pop(message.request_id, None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(message)
@@ -167,6 +175,20 @@ class EngineClient:
         self._reply_waiters[request_id] = waiter
         try:
             await self._link.send(ControlRequest(request_id, op, **fields))
+            return await asyncio.wait_for(waiter, timeout)
+        finally:
+            self._reply_waiters.pop(request_id, None)
+
+    async def reload_config(self, timeout: float = 90.0) -> ConfigReloaded:
+        """Ask the engine core to re-read the YAML; its answer comes after this
+        process has taken the new config (the ConfigUpdate precedes it on the link)."""
+        if not self.alive:
+            raise EngineDead("the engine core is not reachable")
+        request_id = f"{self.client_id}-config-{next(self._reply_ids)}"
+        waiter = asyncio.get_running_loop().create_future()
+        self._reply_waiters[request_id] = waiter
+        try:
+            await self._link.send(ReloadConfig(request_id))
             return await asyncio.wait_for(waiter, timeout)
         finally:
             self._reply_waiters.pop(request_id, None)

@@ -81,6 +81,9 @@ class EngineHealth:
                                      or s.engine.control.is_sleep_pending),
                 "sleep_level": s.engine.control.level,
                 "num_prefix_cache_resets": s.engine.control.num_prefix_resets,
+                # the running limits (they change with a live retune)
+                "max_num_seqs": s.engine.scheduler.config.max_num_seqs,
+                "max_num_batched_tokens": s.engine.scheduler.config.max_num_batched_tokens,
                 _CLOCK_GAUGE: self.seconds_stalled()}
 
     def snapshot(self) -> HealthSnapshot:

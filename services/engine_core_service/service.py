@@ -20,6 +20,8 @@ Frames: a step too large for one frame travels in several (step_frames.py); a re
 that could never travel is refused when it is added.
 LoRA: the engine core is the registry of adapters; engine_lora.py answers the API's
 load/unload/list requests and relays load commands and results to and from the worker.
+Config: config_reload.py re-reads the YAML (file watch, SIGHUP, an API's ReloadConfig),
+applies live keys between steps and sends every API process the running config.
 A step that can run nothing while adapters load waits for a wake-up, never spins.
 Control: sleep, wake-up, weight updates and prefix-cache resets (engine_control.py)
 run between steps, once the requests they must wait for have ended.
@@ -35,6 +37,7 @@ from collections import defaultdict
 
 from aiohttp import web
 
+from config.loader import parse_set_overrides
 from config.schema import FolioConfig
 from engine_core.engine import EngineCore
 from engine_core.lora_registry import UnknownLoRAError
@@ -48,6 +51,8 @@ from services.entrypoint import (StopSignal, first_completed, log_ready, run_ser
 from observability.tracing import Tracing
 from services.engine_core_service.api_clients import APIClients, send_to_client
 from services.engine_core_service.engine_control import EngineControl
+from services.engine_core_service.config_reload import (ConfigReloader, PendingRetune,
+                                                        reload_triggers)
 from services.engine_core_service.engine_health import EngineHealth
 from services.engine_core_service.engine_lora import EngineLoRA
 from services.engine_core_service.engine_observer import EngineObserver
@@ -55,9 +60,9 @@ from services.engine_core_service.step_frames import refusal_param, step_frames
 from services.engine_core_service.worker_replies import WorkerFailure, next_worker_reply
 from services.protocol import (AbortRequest, AddRequest, ControlRequest, ExecuteStep,
                                GetMetrics, ListLoRAAdapters, LoadLoRAAdapter,
-                               LoRALoadFinished, Metrics, OutputDelta, RequestRejected,
-                               StepResult, UnloadLoRAAdapter, WorkerControlDone,
-                               WorkerControlOp, WorkerReady)
+                               LoRALoadFinished, Metrics, OutputDelta, ReloadConfig,
+                               RequestRejected, StepResult, UnloadLoRAAdapter,
+                               WorkerControlDone, WorkerControlOp, WorkerReady)
 from services.transport import (MAX_FRAME_BYTES, Endpoint, PeerLink, connect, start_site,
                                 websocket_route)
 
@@ -90,6 +95,7 @@ class EngineCoreService:
         self.health = EngineHealth(self)
         self.max_frame_bytes = MAX_FRAME_BYTES  # what the worker accepts in one frame
         self.num_split_steps = 0  # steps that needed more than one frame
+        self.reloader = None  # a ConfigReloader once serving (live retune)
 
     async def connect_worker(self, timeout: float = 300.0) -> WorkerReady:
         """Open the worker link and build the EngineCore from its WorkerReady."""
@@ -131,6 +137,8 @@ class EngineCoreService:
         try:
             await self.clients.join(link)
             await self.health.send_to(link)
+            if self.reloader is not None:
+                await link.send(self.reloader.update())
             async for message in link.messages():
                 if isinstance(message, (AddRequest, AbortRequest, LoadLoRAAdapter,
                                         UnloadLoRAAdapter, ControlRequest)):
@@ -140,6 +148,8 @@ class EngineCoreService:
                     await link.send(Metrics(self.observer.render_metrics()))
                 elif isinstance(message, ListLoRAAdapters):
                     await link.send(self.lora.list_reply(message))
+                elif isinstance(message, ReloadConfig) and self.reloader is not None:
+                    self.reloader.answer(link, message)
         finally:
             self.clients.leave(link)
         aborted = [r for r, owner in self.owner.items() if owner is link]
@@ -150,6 +160,9 @@ class EngineCoreService:
     async def _apply_inbox(self) -> None:
         inbox, self.inbox = self.inbox, []
         for link, message in inbox:
+            if isinstance(message, PendingRetune):
+                message.apply()
+                continue
             if isinstance(message, AbortRequest):
                 self.engine.abort_request(message.req_ids)
                 continue
@@ -299,8 +312,10 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
     runner = await start_site(core.app(), endpoint, shutdown_timeout=0.5)
     log_ready("engine-core", config, core.ready.facts, endpoint,
               policy=config.scheduler.policy, max_num_seqs=config.scheduler.max_num_seqs)
+    core.reloader = ConfigReloader(core, args.config, parse_set_overrides(args.overrides))
     stop.mark_serving()
-    (loop_task, _), done = await first_completed(core.run(), stop.wait())
+    (loop_task, *_), done = await first_completed(core.run(), stop.wait(),
+                                                  reload_triggers(core.reloader))
     status = 0
     if loop_task in done:
         log.error("engine core stopping: the worker failed", error=str(loop_task.exception()))
