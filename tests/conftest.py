@@ -123,3 +123,17 @@ def tiny_lora_adapters(tiny_llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_lora")
     return {name: make_adapter(base, root / name, AdapterSpec(**spec))
             for name, spec in TINY_ADAPTERS.items()}
+
+
+# End-to-end modules, marked `slow` as a whole: they start `folio serve` stacks, spawn
+# ranks or load the real default model. `pytest -m "not slow"` leaves them out for a
+# quick local run; CI runs everything.
+SLOW_MODULE_MARKS = ("_e2e.py", "default_model.py", "test_serve_", "test_docker_compose.py",
+                     "test_client_libraries.py", "test_tensor_parallel")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = item.path.name
+        if any(mark in name for mark in SLOW_MODULE_MARKS):
+            item.add_marker(pytest.mark.slow)
