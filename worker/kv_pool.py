@@ -49,11 +49,11 @@ def initialize_kv_pool(runner) -> int:
     log.debug("kv cache allocated", num_blocks=num_blocks,
               num_tokens=num_blocks * runner.block_size,
               bytes=num_blocks * spec.bytes_per_block, sized_by=key)
-    _maybe_capture_cuda_graphs(runner)
+    maybe_capture_cuda_graphs(runner)
     return num_blocks
 
 
-def _maybe_capture_cuda_graphs(runner) -> None:
+def maybe_capture_cuda_graphs(runner) -> None:
     if not runner.wants_cuda_graphs():
         return
     from worker.cuda_graphs import DecodeCudaGraphs

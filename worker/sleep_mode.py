@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from observability.logging import get_logger
-from worker.kv_cache import KVCacheSpec, allocate_kv_cache
+from worker.kv_cache import allocate_kv_cache
+from worker.kv_pool import maybe_capture_cuda_graphs
 from worker.loader import load_model
 from worker.models.linear import k_major
 
@@ -92,11 +93,10 @@ class SleepMode:
             self._reload_weights()
         elif r.device.type == "cuda":
             self._move_weights(r.device)
-        spec = KVCacheSpec.for_model(r.arch, r.block_size, r.dtype)
-        r.kv_caches = allocate_kv_cache(spec, self._num_blocks, r.device)
+        r.kv_caches = allocate_kv_cache(r.kv_cache_spec(), self._num_blocks, r.device)
         if r.draft_runner is not None:
             r.draft_runner.allocate_kv_cache(self._num_blocks)
-        r._maybe_capture_cuda_graphs()
+        maybe_capture_cuda_graphs(r)
         log.info("worker awake", level=self.level)
         self.level = 0
 
