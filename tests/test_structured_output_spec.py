@@ -7,12 +7,12 @@ from the prefix cache.
 
 The random model never repeats itself, so besides the real n-gram proposer an oracle
 proposes each sample's true continuation with random mistakes: accepted runs and
-drafts the grammar bans both happen (tests/test_spec_decode.py does the same)."""
-import random
-
+drafts the grammar bans both happen (tests/oracle_proposer.py, as tests/test_spec_decode.py
+uses it)."""
 import pytest
 
 from engine_core.sampling_params import SamplingParams
+from tests.oracle_proposer import OracleProposer
 from tests.test_structured_output import CASES, PERSON, _valid
 
 PROMPTS = ["Answer:", "Reply now:", "Output please:", "Go:"]
@@ -23,28 +23,6 @@ FREE = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 def constrained(temperature=0.0, **kw):
     return [SamplingParams(max_tokens=40, temperature=temperature, structured_outputs=fields,
                            **kw) for _, _, fields in CASES]
-
-
-class Oracle:
-    """Proposes each sample's continuation from a run without drafts, every draft wrong
-    (the next token id: almost always one the grammar bans) with probability 0.3."""
-
-    def __init__(self, outputs):
-        self.truth = {(tuple(o.prompt_token_ids), c.index): c.token_ids
-                      for o in outputs for c in o.outputs}
-        self.rng = random.Random(5)
-
-    def propose(self, requests, num_drafts):
-        out = []
-        for request, k in zip(requests, num_drafts):
-            truth = self.truth[(tuple(request.prompt_token_ids), request.index)]
-            done = request.num_output_tokens
-            out.append([t if self.rng.random() > 0.3 else (t + 1) % 49152
-                        for t in truth[done:done + k]])
-        return out
-
-    def forget(self, req_id):
-        pass
 
 
 def tokens(outputs):
@@ -77,7 +55,7 @@ def test_greedy_constrained_and_free_outputs_equal_those_without_speculation(
     else:
         llm = make_tiny_llm(speculative_method="ngram", prompt_lookup_min=1, **kw)
     if method == "ngram_oracle":
-        llm.engine.scheduler.speculator.proposer = Oracle(reference)
+        llm.engine.scheduler.speculator.proposer = OracleProposer(reference, seed=5)
     outs = llm.generate(FREE_PROMPTS + PROMPTS, [FREE] * 3 + constrained(), use_tqdm=False)
     assert tokens(outs) == tokens(reference)
     check_valid(outs[3:])
@@ -103,7 +81,7 @@ def test_seeded_constrained_samples_n2_draw_the_same_tokens_with_drafts(make_tin
     plain = make_tiny_llm(**pool).generate(prompts, params, use_tqdm=False)
     llm = make_tiny_llm(speculative_method="ngram", **pool,
                         **{"speculative.enable_adaptive": False})
-    llm.engine.scheduler.speculator.proposer = Oracle(plain)
+    llm.engine.scheduler.speculator.proposer = OracleProposer(plain, seed=5)
     spec = llm.generate(prompts, params, use_tqdm=False)
     assert tokens(spec) == tokens(plain)
     check_valid(spec)
