@@ -151,44 +151,31 @@ class EngineClient:
     async def lora(self, kind: str, lora_name: str = "", lora_path: str = "",
                    timeout: float = 120.0) -> LoRAReply:
         """One LoRA round trip: ``kind`` "load", "unload" or "list"."""
-        if not self.alive:
-            raise EngineDead("the engine core is not reachable")
-        request_id = f"{self.client_id}-lora-{next(self._reply_ids)}"
-        message = {"load": lambda: LoadLoRAAdapter(request_id, lora_name, lora_path),
-                   "unload": lambda: UnloadLoRAAdapter(request_id, lora_name),
-                   "list": lambda: ListLoRAAdapters(request_id)}[kind]()
-        waiter = asyncio.get_running_loop().create_future()
-        self._reply_waiters[request_id] = waiter
-        try:
-            await self._link.send(message)
-            return await asyncio.wait_for(waiter, timeout)
-        finally:
-            self._reply_waiters.pop(request_id, None)
+        make = {"load": lambda rid: LoadLoRAAdapter(rid, lora_name, lora_path),
+                "unload": lambda rid: UnloadLoRAAdapter(rid, lora_name),
+                "list": lambda rid: ListLoRAAdapters(rid)}[kind]
+        return await self._round_trip("lora", make, timeout)
 
     async def control(self, op: str, timeout: float, **fields) -> ControlReply:
         """One control round trip (services/control_protocol.py): ``op`` and the
         ControlRequest ``fields`` it takes (level, abort_in_flight, path ...)."""
-        if not self.alive:
-            raise EngineDead("the engine core is not reachable")
-        request_id = f"{self.client_id}-control-{next(self._reply_ids)}"
-        waiter = asyncio.get_running_loop().create_future()
-        self._reply_waiters[request_id] = waiter
-        try:
-            await self._link.send(ControlRequest(request_id, op, **fields))
-            return await asyncio.wait_for(waiter, timeout)
-        finally:
-            self._reply_waiters.pop(request_id, None)
+        return await self._round_trip(
+            "control", lambda rid: ControlRequest(rid, op, **fields), timeout)
 
     async def reload_config(self, timeout: float = 90.0) -> ConfigReloaded:
         """Ask the engine core to re-read the YAML; its answer comes after this
         process has taken the new config (the ConfigUpdate precedes it on the link)."""
+        return await self._round_trip("config", ReloadConfig, timeout)
+
+    async def _round_trip(self, kind: str, make, timeout: float):
+        """Send ``make(request_id)`` and wait for the reply repeating that id."""
         if not self.alive:
             raise EngineDead("the engine core is not reachable")
-        request_id = f"{self.client_id}-config-{next(self._reply_ids)}"
+        request_id = f"{self.client_id}-{kind}-{next(self._reply_ids)}"
         waiter = asyncio.get_running_loop().create_future()
         self._reply_waiters[request_id] = waiter
         try:
-            await self._link.send(ReloadConfig(request_id))
+            await self._link.send(make(request_id))
             return await asyncio.wait_for(waiter, timeout)
         finally:
             self._reply_waiters.pop(request_id, None)
