@@ -8,10 +8,13 @@ it between two uses without a restart:
 
 - scheduler limits are read by the engine core at every step and every add;
 - api limits and keys are read per request (or per connection) by each API process;
-- log level, trace sample ratio and trace step detail are set in every process.
+- log level, trace sample ratio and trace step detail are set in every process;
+- ``lora.adapters`` becomes loads and unloads in the engine core, as the runtime
+  endpoints make them (services/engine_core_service/adapter_retune.py), when LoRA was
+  on from start-up.
 
 Everything else (the model, dtypes, the KV pool and block size, devices, sockets,
-processes, the scheduling policy, listener settings, LoRA slots and adapters,
+processes, the scheduling policy, listener settings, LoRA slots,
 speculative method) shapes memory or processes made at start-up: restart-only.
 
 Ceilings: on a CUDA worker the step size was profiled (activation memory, CUDA graphs)
@@ -47,7 +50,8 @@ LIVE_KEYS: frozenset[str] = frozenset(
     [f"scheduler.{k}" for k in SCHEDULER_LIVE]
     + [f"observability.{k}" for k in OBSERVABILITY_LIVE]
     + [f"api.{k}" for k in API_LIVE]
-    + [f"speculative.{k}" for k in SPECULATIVE_LIVE])
+    + [f"speculative.{k}" for k in SPECULATIVE_LIVE]
+    + ["lora.adapters"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +104,9 @@ def diff_configs(running: FolioConfig, new: FolioConfig, startup: FolioConfig,
         if key not in LIVE_KEYS:
             refusals.append(Refusal(key, "restart-only (changes what was built at "
                                          "start-up); restart the stack to change it"))
+    if "lora.adapters" in changed and not running.lora.enable_lora:
+        refusals.append(Refusal("lora.adapters", "needs lora.enable_lora: true from "
+                                "start-up (the worker has no adapter slots)"))
     sched, first = new.scheduler, startup.scheduler
     if "scheduler.max_num_batched_tokens" in changed and not sched.enable_chunked_prefill:
         refusals.append(Refusal("scheduler.max_num_batched_tokens", "restart-only while "

@@ -4,10 +4,13 @@
     SIGHUP ───────────────────┼─▶ reload(): load + check the file (config/loader.py)
     ReloadConfig from any API ┘      │  diff against the running config (live_config.py)
                                      ├─ invalid / refused / unchanged: nothing changes
+                                     ├─ new LoRA adapters: loaded and checked first
+                                     │  (adapter_retune.py); one refused: nothing changes
                                      └─ applicable: the step loop applies it between two
-                                        steps (inbox), then every API process gets a
-                                        ConfigUpdate; the asking API process then gets
-                                        ConfigReloaded (on the same link, after its update)
+                                        steps (inbox), the worker takes its log level,
+                                        then every API process gets a ConfigUpdate; the
+                                        asking API process then gets ConfigReloaded (on
+                                        the same link, after its update)
 
 The engine core is the one process every API process is linked to, under `folio serve`
 and in docker-compose alike, so one reload reaches them all, and a restarted API
@@ -28,8 +31,9 @@ from config.loader import DEFAULT_CONFIG_PATH, load_config
 from config.schema import ConfigError, FolioConfig
 from engine_core.live_limits import apply_live_limits
 from observability.logging import configure_logging, get_logger
+from services.engine_core_service.adapter_retune import AdapterChange, AdapterRetune
 from services.engine_core_service.api_clients import send_to_client
-from services.protocol import ConfigReloaded, ConfigUpdate
+from services.protocol import ConfigReloaded, ConfigUpdate, WorkerControlOp
 
 log = get_logger("services.engine_core")
 RESULTS = ("applied", "unchanged", "refused", "invalid")
@@ -44,9 +48,18 @@ class PendingRetune:
         self.reloader, self.config = reloader, config
         self.done = asyncio.get_running_loop().create_future()
 
-    def apply(self) -> None:
+    async def apply(self, ask_worker) -> None:
+        """In the step loop: the engine core takes the config, then the worker its log
+        level (``ask_worker``: the service's one way to run a verb on the worker)."""
+        old = self.reloader.running.observability
         try:
             self.reloader.apply_in_loop(self.config)
+            obs = self.config.observability
+            if (obs.log_level, obs.log_format) != (old.log_level, old.log_format):
+                done = await ask_worker(WorkerControlOp(
+                    "set_log_level", args=[obs.log_level, obs.log_format]))
+                if not done.ok:
+                    log.warning("the worker kept its log level", error=done.message)
         except Exception as e:  # noqa: BLE001 (reported to the caller; the loop goes on)
             self.done.set_exception(e)
         else:
@@ -64,6 +77,7 @@ class ConfigReloader:
         self.startup = self.running = core.config
         self._lock = asyncio.Lock()  # one reload at a time, in the order asked
         self._tasks: set[asyncio.Task] = set()  # reloads in progress (kept referenced)
+        self.adapters = AdapterRetune(core)
         self._counter = None
         metrics = core.observer.metrics if core.observer is not None else None
         if metrics is not None:
@@ -120,6 +134,11 @@ class ConfigReloader:
             return ConfigReloaded(request_id, "refused", list(diff.changed),
                                   diff.refused_keys,
                                   "; ".join(str(r) for r in diff.refusals))
+        adapters = (AdapterChange.between(self.running.lora, new.lora)
+                    if "lora.adapters" in diff.changed else None)
+        if adapters is not None and (error := await self.adapters.load(adapters)):
+            return ConfigReloaded(request_id, "invalid", list(diff.changed),
+                                  key="lora.adapters", message=f"lora.adapters: {error}")
         pending = PendingRetune(self, new)
         self.core.inbox.append((None, pending))
         self.core._wake.set()
@@ -128,6 +147,8 @@ class ConfigReloader:
         except Exception as e:  # noqa: BLE001 (timeout, or the engine's own check)
             return ConfigReloaded(request_id, "invalid", list(diff.changed),
                                   message=f"the engine core could not apply it: {e}")
+        if adapters is not None:
+            await self.adapters.unload(adapters)
         for link in list(self.core.clients.links):
             await send_to_client(link, self.update())
         return ConfigReloaded(request_id, "applied", list(diff.changed))

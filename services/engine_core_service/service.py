@@ -161,7 +161,7 @@ class EngineCoreService:
         inbox, self.inbox = self.inbox, []
         for link, message in inbox:
             if isinstance(message, PendingRetune):
-                message.apply()
+                await message.apply(self._ask_worker)
                 continue
             if isinstance(message, AbortRequest):
                 self.engine.abort_request(message.req_ids)

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from config.schema import FolioConfig
 from engine_core.outputs import ModelRunnerOutput
-from observability.logging import get_logger
+from observability.logging import configure_logging, get_logger
 from observability.tracing import Tracing, context_from_traceparent
 from services.endpoints import worker_endpoint
 from services.entrypoint import (StopSignal, first_completed, log_ready, run_service,
@@ -82,8 +82,9 @@ class WorkerService:
             elif isinstance(message, ApplyLoRACommands):
                 self._apply_lora(link, message)
             elif isinstance(message, WorkerControlOp):
-                await link.send(await loop.run_in_executor(self._pool, self._control,
-                                                           message))
+                # in this context: its log lines carry service=worker
+                await link.send(await loop.run_in_executor(
+                    self._pool, contextvars.copy_context().run, self._control, message))
             elif isinstance(message, Health):
                 await link.send(Health(True, {"steps": str(self.num_steps)}))
             elif isinstance(message, Shutdown):
@@ -127,6 +128,9 @@ class WorkerService:
             elif message.op == "update_weights":
                 return WorkerControlDone(True, f"{c.update_weights(message.path)} tensors "
                                          f"updated")
+            elif message.op == "set_log_level":  # a live retune of observability
+                configure_logging(*message.args)
+                log.debug("log level set", log_level=message.args[0])  # seen only at debug
             elif message.op == "collective_rpc":
                 result = c.collective_rpc(message.method, message.args)
                 try:

@@ -45,8 +45,7 @@ def test_live_keys_are_applied_and_listed_in_tree_order():
     ("scheduler", "enable_chunked_prefill", False), ("cache", "enable_prefix_caching", False),
     ("api", "max_body_bytes", 8192), ("api", "num_tokenizer_threads", 4),
     ("observability", "otlp_endpoint", "http://x:4318"),
-    ("lora", "adapters", (LoRAAdapterConfig("a", "/p"),)),
-    ("speculative", "method", "ngram"),
+    ("lora", "max_loras", 2), ("speculative", "method", "ngram"),
 ])
 def test_restart_only_keys_are_refused_by_name(section, key, value):
     edits = {"scheduler": {"max_num_seqs": 3}}  # a live change alongside
@@ -82,6 +81,18 @@ def test_cuda_ceilings_are_the_start_up_values():
     diff = diff_configs(BASE, over, BASE, is_cuda=True)
     assert diff.refused_keys == ["scheduler.max_num_seqs"] and "128" in diff.refusals[0].reason
     assert diff_configs(BASE, over, BASE, is_cuda=False).is_applicable  # a CPU: no ceiling
+
+
+def test_the_adapter_list_is_live_where_lora_was_on_from_start_up():
+    start = edit(BASE, lora={"enable_lora": True})
+    more = edit(start, lora={"adapters": (LoRAAdapterConfig("a", "/p"),)})
+    diff = diff_configs(start, more, start)
+    assert diff.is_applicable and diff.changed == ("lora.adapters",)
+    off = diff_configs(BASE, edit(BASE, lora={"adapters": (LoRAAdapterConfig("a", "/p"),)}),
+                       BASE)
+    assert off.refused_keys == ["lora.adapters"] and "enable_lora" in off.refusals[0].reason
+    both = diff_configs(BASE, edit(more, lora={"max_loras": 2}), BASE)  # turned on with it
+    assert set(both.refused_keys) == {"lora.enable_lora", "lora.max_loras", "lora.adapters"}
 
 
 def test_speculative_tokens_may_not_grow_past_start_up():

@@ -245,6 +245,22 @@ def test_flipping_the_sample_ratio_changes_what_the_collector_receives(stack, re
     assert "SIGHUP: reloading the config" in stack.serve.output()
 
 
+def test_the_log_level_reaches_the_worker(stack):
+    async def main():
+        try:
+            stack.write(observability={"log_level": "debug"})
+            status, body = await reload(stack)
+            assert status == 200 and body["changed"] == ["observability.log_level"], body
+
+            async def worker_logged_at_debug() -> bool:
+                return any("log level set" in line and "service=worker" in line
+                           for line in stack.serve.output().splitlines())
+            await wait_until(worker_logged_at_debug, "the worker's debug line")
+        finally:
+            await restore(stack)
+    asyncio.run(main())
+
+
 def test_a_restart_only_key_is_refused_by_name_and_serving_goes_on(stack):
     async def main():
         stack.write(model={"dtype": "bfloat16"}, memory={"block_size": 32},

@@ -10,6 +10,7 @@ import httpx2 as httpx  # the openai client's own HTTP library
 import openai
 import pytest
 import torch
+import yaml
 from safetensors.torch import save_file
 
 from engine_core.sampling_params import SamplingParams
@@ -48,7 +49,8 @@ def folders(tiny_lora_adapters, tiny_llama_dir, tmp_path_factory):
 def stack(tiny_llama_dir, default_model_path, tiny_lora_adapters, folders):
     config = write_config(
         folders / "folio.yaml", str(tiny_llama_dir), str(default_model_path),
-        services={"num_api_servers": 2, "socket_dir": str(folders / "sock")},
+        services={"num_api_servers": 2, "socket_dir": str(folders / "sock"),
+                  "watch_config": False},  # reloads come from POST /admin/reload_config
         api={"api_keys": [KEY]}, scheduler={"max_num_seqs": 8},
         lora={"enable_lora": True, "max_loras": 2, "max_cpu_loras": 2,
               "allow_runtime_updates": True, "allowed_paths": [str(folders / "allowed")],
@@ -233,4 +235,50 @@ def test_metrics_show_the_adapters(stack):
                       if line.startswith("folio:num_lora_adapters_loaded"))
         assert 1 <= float(loaded.split()[-1]) <= 2
         assert "folio:lora_loads_total" in text
+    run(main())
+
+
+def test_editing_the_adapter_list_in_the_yaml_applies_live(stack, expected, folders,
+                                                            tiny_lora_adapters):
+    """lora.adapters is a live key: an edit loads the new entry and unloads the dropped
+    one on every API process; a refused adapter changes nothing."""
+    path = folders / "folio.yaml"
+    original = path.read_text()
+
+    def with_adapters(*names, extra=()):
+        tree = yaml.safe_load(original)
+        tree["lora"]["adapters"] = [{"name": n, "path": str(tiny_lora_adapters[n])}
+                                    for n in names] + list(extra)
+        path.write_text(yaml.safe_dump(tree))
+
+    async def reload():
+        async with httpx.AsyncClient(base_url=stack.url,
+                                     headers={"Authorization": f"Bearer {KEY}"}) as h:
+            return await h.post("/admin/reload_config")
+
+    async def main():
+        try:
+            with_adapters("qv8", "mlp4")  # all16 dropped, mlp4 new
+            r = await reload()
+            assert r.status_code == 200 and r.json()["changed"] == ["lora.adapters"], r.text
+            for api in (0, 1):
+                assert await complete(client(stack, api), "mlp4", 1) == expected[("mlp4", 1)]
+                assert await complete(client(stack, api), "qv8", 0) == expected[("qv8", 0)]
+                with pytest.raises(openai.NotFoundError):
+                    await complete(client(stack, api), "all16", 0)
+            dora = {"name": "dora", "path": str(folders / "allowed" / "dora")}
+            with_adapters("qv8", "all16", extra=[dora])  # all16 fine, dora refused
+            r = await reload()
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["param"] == "lora.adapters" and "DoRA" in error["message"]
+            models = {m.id for m in (await client(stack, 1).models.list()).data}
+            assert models == {MODEL, "qv8", "mlp4"}  # as before the refused edit
+        finally:
+            path.write_text(original)
+            r = await reload()
+        assert r.status_code == 200, r.text
+        assert await complete(client(stack), "all16", 0) == expected[("all16", 0)]
+        with pytest.raises(openai.NotFoundError):
+            await complete(client(stack), "mlp4", 0)
     run(main())
