@@ -210,8 +210,10 @@ class ModelRunner:
         return tokens.tolist(), logprobs
 
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, so: SchedulerOutput,
+                      traceparent: str | None = None) -> ModelRunnerOutput:
         """Run one step; returns the tokens sampled for requests that reached their end.
+        ``traceparent``: the engine's step span, for the other tensor-parallel ranks.
 
         ``last_timing`` then holds where the step's time went (wall clock; on CUDA the
         device is synchronised after the forward pass, so sampling is not billed for it).
@@ -223,7 +225,7 @@ class ModelRunner:
         copy_blocks(self.kv_caches, *copies)
         if so.total_num_scheduled_tokens == 0:
             if self.channel is not None and copies[0]:
-                self.channel.send_step(None, *copies)
+                self.channel.send_step(None, *copies, traceparent=traceparent)
             return ModelRunnerOutput()
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
@@ -236,7 +238,7 @@ class ModelRunner:
         # constrained rows' masks fill on a thread while the forward runs
         grammar_step = self.structured_output.begin_step(batch.sampling_states)
         if self.channel is not None:
-            self.channel.send_step(batch.arrays, *copies)
+            self.channel.send_step(batch.arrays, *copies, traceparent=traceparent)
         t1 = time.perf_counter()
         timing.prepare_seconds = t1 - t0
         hidden = self.forward(batch, lora)

@@ -14,7 +14,8 @@
 
     engine.step                         (engine)  one traced step, its own trace, linked
     └─ worker.execute                   (worker)  to every traced request it served;
-                                                  forward / sampling time
+                                                  forward / sampling time; one per
+                                                  tensor-parallel rank (folio.rank)
 
 A request is traced when the API sampled it (the traceparent it sends says so); a step
 is traced when it serves at least one traced request.

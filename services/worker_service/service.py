@@ -170,7 +170,7 @@ class WorkerService:
     def _execute(self, message: ExecuteStep) -> StepResult:
         start_ns = time.time_ns()
         try:
-            output = self.runner.execute_model(message.scheduler_output)
+            output = self.runner.execute_model(message.scheduler_output, message.traceparent)
         except Exception as e:  # reported to the engine core, which fails loudly
             log.error("step failed", step_id=message.step_id, error=repr(e),
                       traceback=traceback.format_exc())
@@ -195,7 +195,7 @@ class WorkerService:
                     "folio.prepare_seconds": timing.prepare_seconds,
                     "folio.forward_seconds": timing.forward_seconds,
                     "folio.sample_seconds": timing.sample_seconds,
-                    # this span is rank 0's; the others ran the same forward in lockstep
+                    # rank 0's; the other ranks send their own (follower.py)
                     "folio.rank": 0,
                     "folio.tensor_parallel_size": self.tp_size}).end(end_time=end_ns)
         prepared_ns = start_ns + int(timing.prepare_seconds * 1e9)

@@ -10,6 +10,7 @@ import aiohttp
 import openai
 import pytest
 
+from observability.otlp_receiver import OTLPReceiver
 from observability.process_stats import command_line
 from tests.services.serve_process import ServeProcess, processes_using, write_config
 from tests.services.test_serve_e2e import MODEL
@@ -43,7 +44,9 @@ def size_one_texts(tiny_llama_dir, default_model_path):
 
 
 def test_tp2_serves_the_size_one_tokens_streaming_and_not(start_stack, size_one_texts):
-    serve = start_stack(**TP2)
+    receiver = OTLPReceiver()
+    serve = start_stack(**TP2, observability={"otlp_endpoint": receiver.url,
+                                              "trace_sample_ratio": 1.0})
     assert rank_pid(serve, 1)  # rank 1 runs as its own supervised process
 
     async def main():
@@ -64,8 +67,19 @@ def test_tp2_serves_the_size_one_tokens_streaming_and_not(start_stack, size_one_
     whole, streamed = asyncio.run(main())
     assert whole == size_one_texts
     assert streamed == size_one_texts
-    assert serve.stop() == 0, serve.output()[-3000:]
+    assert serve.stop() == 0, serve.output()[-3000:]  # the ranks flush their spans
     assert_nothing_left(serve)
+    # every rank's forward is a worker.execute span under the engine's step span
+    spans = receiver.wait_for(lambda got: {1} <= {
+        s.attributes.get("folio.rank") for s in got if s.name == "worker.execute"})
+    receiver.close()
+    steps = {(s.trace_id, s.span_id) for s in spans if s.name == "engine.step"}
+    by_rank = {0: [], 1: []}
+    for s in spans:
+        if s.name == "worker.execute":
+            by_rank[s.attributes["folio.rank"]].append((s.trace_id, s.parent_span_id))
+    assert by_rank[1] and set(by_rank[1]) <= steps and set(by_rank[0]) <= steps
+    assert set(by_rank[1]) == set(by_rank[0])  # the same steps, seen from each rank
 
 
 def test_killing_rank_1_mid_stream_stops_the_stack_naming_it(start_stack):

@@ -165,3 +165,15 @@ def test_offline_llm_refuses_a_size_that_does_not_split_the_heads_and_stops_its_
     with pytest.raises(ShardingError, match="sizes that work: 1, 2, 4"):
         make_llm(tiny_llama_dir, 3, tokenizer=str(default_model_path))
     assert multiprocessing.active_children() == []
+
+
+def test_a_sampled_trace_context_travels_in_the_step_header():
+    from worker.distributed.step_channel import trace_slots, traceparent_from_slots
+    for traceparent in ("00-ffffffffffffffff0000000000000001-8000000000000000-01",
+                        "00-0123456789abcdef0123456789abcdef-00f067aa0ba902b7-01"):
+        slots = trace_slots(traceparent)
+        assert all(-2 ** 63 <= v < 2 ** 63 for v in slots)  # int64 header values
+        assert traceparent_from_slots(slots) == traceparent
+    unsampled = "00-0123456789abcdef0123456789abcdef-00f067aa0ba902b7-00"
+    assert trace_slots(unsampled) == trace_slots(None) == [0, 0, 0, 0]
+    assert traceparent_from_slots([0, 0, 0, 0]) is None

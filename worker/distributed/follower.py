@@ -8,10 +8,13 @@ collective fails, and the rank exits with an error.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from config.schema import FolioConfig
 from observability.logging import get_logger
+from observability.tracing import context_from_traceparent
 from worker.distributed.step_channel import LOGITS, STEP, STOP, StepChannel
 from worker.distributed.tp_group import TPGroup
 from worker.input_batch import batch_tensors
@@ -50,8 +53,10 @@ def load_rank(config: FolioConfig, tp: TPGroup) -> ModelRunner:
 
 
 @torch.inference_mode()
-def follow(runner: ModelRunner) -> int:
-    """Run rank 0's steps until STOP; returns how many forward passes ran."""
+def follow(runner: ModelRunner, tracer=None) -> int:
+    """Run rank 0's steps until STOP; returns how many forward passes ran. With a
+    ``tracer``, each sampled step's forward is a worker.execute span of this rank under
+    the engine's step span."""
     channel = StepChannel(runner.tp, runner.arch.hidden_size, runner.dtype)
     num_steps = 0
     while True:
@@ -63,10 +68,22 @@ def follow(runner: ModelRunner) -> int:
         elif message.command == STEP:
             copy_blocks(runner.kv_caches, *message.copies)
             if message.arrays is not None:
+                start_ns = time.time_ns()
                 input_ids, positions, attn, _ = batch_tensors(
                     message.arrays, [], runner.block_size, runner.arch.sliding_window,
                     runner.attention_backend)
                 runner.model(input_ids, positions, runner.kv_caches, attn)
                 num_steps += 1
+                if tracer is not None and message.traceparent is not None:
+                    _trace_step(tracer, runner, message, start_ns)
         else:
             raise RuntimeError(f"unknown tensor-parallel command {message.command}")
+
+
+def _trace_step(tracer, runner: ModelRunner, message, start_ns: int) -> None:
+    tracer.start_span(
+        "worker.execute", context=context_from_traceparent(message.traceparent),
+        start_time=start_ns, attributes={
+            "folio.rank": runner.tp.rank, "folio.tensor_parallel_size": runner.tp.size,
+            "folio.num_tokens": message.arrays.num_tokens,
+            "folio.batch_size": len(message.arrays.seq_lens)}).end()

@@ -9,6 +9,7 @@ import multiprocessing
 
 from config.schema import FolioConfig
 from observability.logging import configure_logging, get_logger
+from observability.tracing import Tracing
 from worker.device import resolve_device
 
 log = get_logger(__name__)
@@ -25,7 +26,11 @@ def run_rank(config: FolioConfig, rank: int) -> int:
         runner = load_rank(config, tp)
         log.info("tensor-parallel rank ready", rank=rank, size=tp.size,
                  num_kv_heads=runner.model.shard.num_kv_heads, device=str(tp.device))
-        num_steps = follow(runner)
+        tracing = Tracing(config.observability, "worker")
+        try:
+            num_steps = follow(runner, tracing.tracer)
+        finally:
+            tracing.shutdown()
         log.info("tensor-parallel rank stopped", rank=rank, num_steps=num_steps)
         return 0
     finally:

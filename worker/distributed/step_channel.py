@@ -2,8 +2,11 @@
 
 Every message is a fixed header broadcast, then what the header announces::
 
-    header  int64 [8]: command, then its counts
-    STEP    counts T tokens, R attention rows, W block-table width, C block copies
+    header  int64 [12]: command, then its counts
+    STEP    counts T tokens, R attention rows, W block-table width, C block copies,
+            then the step's sampled trace context (trace id high and low 64 bits, span
+            id, 1) or zeros, so that every rank's worker.execute span hangs under the
+            engine's step span
             payload int64 [3T + (R+1) + R + R*W + 2C]:
             input_ids | positions | slot_mapping | query_start_loc | seq_lens |
             block_tables (row-major) | copy src | copy dst
@@ -22,10 +25,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from observability.tracing import parse_traceparent
 from worker.distributed.tp_group import TPGroup
 
 STEP, LOGITS, STOP = 1, 2, 3
-HEADER_LEN = 8
+HEADER_LEN = 12
+_TRACE = slice(5, 9)  # STEP header slots of the trace context
 
 
 @dataclass(slots=True)
@@ -52,6 +57,27 @@ class StepMessage:
     arrays: StepArrays | None = None
     copies: tuple[list[int], list[int]] = ([], [])
     hidden: torch.Tensor | None = None
+    traceparent: str | None = None  # STEP: the engine step span's, when it is sampled
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def trace_slots(traceparent: str | None) -> list[int]:
+    """The four header values that carry a sampled traceparent (zeros otherwise)."""
+    parsed = parse_traceparent(traceparent)
+    if parsed is None or not parsed[2]:
+        return [0, 0, 0, 0]
+    trace_id, span_id, _ = parsed
+    return [_signed(trace_id >> 64), _signed(trace_id & (1 << 64) - 1), _signed(span_id), 1]
+
+
+def traceparent_from_slots(values: list[int]) -> str | None:
+    hi, lo, span_id, sampled = (v & (1 << 64) - 1 for v in values)
+    if not sampled:
+        return None
+    return f"00-{hi:016x}{lo:016x}-{span_id:016x}-01"
 
 
 class StepChannel:
@@ -67,13 +93,16 @@ class StepChannel:
         return self.tp.broadcast(header).tolist()
 
     # rank 0
-    def send_step(self, arrays: StepArrays | None, src: list[int], dst: list[int]) -> None:
-        """The step's batch (None: only block copies) and its block copies."""
+    def send_step(self, arrays: StepArrays | None, src: list[int], dst: list[int],
+                  traceparent: str | None = None) -> None:
+        """The step's batch (None: only block copies), its block copies and its trace
+        context."""
         if arrays is None:
             arrays = StepArrays(*(np.zeros(0, np.int64),) * 3, [0], [], np.zeros((0, 0)))
         bt = np.asarray(arrays.block_tables, dtype=np.int64)
         rows, width = len(arrays.seq_lens), (bt.shape[1] if bt.ndim == 2 else 0)
-        self._header([STEP, arrays.num_tokens, rows, width, len(src)])
+        self._header([STEP, arrays.num_tokens, rows, width, len(src),
+                      *trace_slots(traceparent)])
         payload = np.concatenate([
             np.asarray(a, dtype=np.int64).reshape(-1) for a in (
                 arrays.input_ids, arrays.positions, arrays.slot_mapping,
@@ -105,4 +134,5 @@ class StepChannel:
         input_ids, positions, slots, qsl, seq_lens, bt, src, dst = parts
         arrays = (StepArrays(input_ids, positions, slots, qsl.tolist(), seq_lens.tolist(),
                              bt.reshape(r, w)) if t else None)
-        return StepMessage(STEP, arrays, (src.tolist(), dst.tolist()))
+        return StepMessage(STEP, arrays, (src.tolist(), dst.tolist()),
+                           traceparent=traceparent_from_slots(header[_TRACE]))
