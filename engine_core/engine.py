@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import copy
-import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -17,12 +16,12 @@ from engine_core.model_facts import ModelFacts
 from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.queue_limits import QueueLimits
 from engine_core.request import Request
+from engine_core.request_fields import check_prompt, check_tenant, check_vocabulary
 from engine_core.sampling_params import InvalidRequestError, SamplingParams
 from engine_core.scheduler import Scheduler
 from engine_core.scheduler_output import SchedulerOutput
 from engine_core.spec.speculator import DraftOutcome, SpecDecodeStats
 
-MAX_TENANT_CHARS = 128  # tenants are API-key names, not payloads
 MAX_REQ_ID_CHARS = 256  # ids travel in every step that names the request: keep them small
 
 
@@ -51,17 +50,6 @@ class EngineCoreStats:
     prefix_cache_hits: int  # of those, tokens found cached
     lora: LoRAStats | None = None  # adapters of running and waiting requests (LoRA on)
     spec_decode: SpecDecodeStats | None = None  # since start; None: speculation is off
-
-
-def _validate_tenant(tenant: object, tenant_weight: object) -> None:
-    if tenant is not None and (not isinstance(tenant, str)
-                               or not 0 < len(tenant) <= MAX_TENANT_CHARS):
-        raise InvalidRequestError(f"tenant must be null or a non-empty string of at most "
-                                  f"{MAX_TENANT_CHARS} characters", "tenant")
-    if (isinstance(tenant_weight, bool) or not isinstance(tenant_weight, (int, float))
-            or not math.isfinite(tenant_weight) or tenant_weight <= 0):
-        raise InvalidRequestError(f"tenant_weight must be a finite number > 0, got "
-                                  f"{tenant_weight!r}", "tenant_weight")
 
 
 def _has_work(so: SchedulerOutput) -> bool:
@@ -162,11 +150,11 @@ class EngineCore:
             raise asleep
         params = sampling_params if sampling_params is not None else SamplingParams()
         params.validate()
-        self._check_vocabulary(params.stop_token_ids, "stop_token_ids")
+        check_vocabulary(params.stop_token_ids, "stop_token_ids", self.vocab_size)
         if params.logit_bias:
-            self._check_vocabulary(frozenset(params.logit_bias), "logit_bias")
-        self._validate_prompt(prompt)
-        _validate_tenant(tenant, tenant_weight)
+            check_vocabulary(frozenset(params.logit_bias), "logit_bias", self.vocab_size)
+        check_prompt(prompt, self.vocab_size)
+        check_tenant(tenant, tenant_weight)
         if not isinstance(lora_id, int) or isinstance(lora_id, bool) or lora_id < 0:
             raise InvalidRequestError("lora_id must be a non-negative integer", "lora_id")
         if lora_id and self.lora is None:
@@ -177,39 +165,10 @@ class EngineCore:
             raise InvalidRequestError("cache_salt must be a string", "cache_salt")
         return params
 
-    def _check_vocabulary(self, token_ids: frozenset[int], param: str) -> None:
-        """Never more ids than the vocabulary holds, none outside it (the engine's own
-        bound, whatever the API in front of it allows)."""
-        upper = self.vocab_size
-        if upper is None or not token_ids:
-            return
-        if len(token_ids) > upper:
-            raise InvalidRequestError(f"{param} holds {len(token_ids)} ids, more than the "
-                                      f"vocabulary's {upper}", param)
-        if max(token_ids) >= upper:
-            raise InvalidRequestError(f"{param} holds token id {max(token_ids)}, outside "
-                                      f"the vocabulary [0, {upper})", param)
-
     @staticmethod
     def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
         seed = None if params.seed is None else params.seed + index
         return params.clone(n=1, seed=seed)
-
-    def _validate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
-        """Ints in the vocabulary; the per-id loops run in C (``map``, ``min``, ``max``)."""
-        prompt = list(prompt_token_ids)
-        if not prompt:
-            raise InvalidRequestError("prompt must contain at least one token", "prompt")
-        if not set(map(type, prompt)) <= {int}:  # bool is not an int here
-            bad = next(t for t in prompt if type(t) is not int)
-            raise InvalidRequestError(f"prompt token ids must be integers, got {bad!r}",
-                                      "prompt")
-        upper = self.vocab_size
-        low, high = min(prompt), max(prompt)
-        if low < 0 or (upper is not None and high >= upper):
-            raise InvalidRequestError(f"prompt token id {low if low < 0 else high} is "
-                                      f"outside the vocabulary [0, {upper})", "prompt")
-        return prompt
 
     def _validate_ids(self, req_id: str, n: int) -> None:
         if not isinstance(req_id, str) or not 0 < len(req_id) <= MAX_REQ_ID_CHARS:
