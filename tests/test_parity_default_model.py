@@ -1,8 +1,10 @@
 """Parity with Hugging Face transformers on the real default model, float32.
 
-transformers loads the same GGUF through its own dequantisation; greedy 32-token
-continuations must match token for token, and prefill logits must agree to within
-LOGIT_ATOL (float32 sums in a different order differ by ~1e-4 at most).
+transformers loads the same GGUF through its own dequantisation; so does Folio here
+(``quantization: none``): greedy 32-token continuations must match token for token, and
+prefill logits must agree to within LOGIT_ATOL (float32 sums in a different order
+differ by ~1e-4 at most). Served as shipped (``auto``), the Q4_1 blocks stay quantized
+and activations are quantized per block to int8: that model's own check is below.
 """
 import pytest
 import torch
@@ -34,7 +36,7 @@ TEXTS = [
 def llm(default_model_path):
     from folio import LLM
     return LLM(model=str(default_model_path), dtype="float32", max_model_len=1024,
-               num_blocks=512, **{"observability.log_level": "warning"})
+               num_blocks=512, quantization="none", **{"observability.log_level": "warning"})
 
 
 @pytest.fixture(scope="module")
@@ -90,3 +92,29 @@ def test_chat_produces_a_sensible_answer(llm):
                    SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason in ("stop", "length")
+
+
+@pytest.fixture(scope="module")
+def quantized_llm(default_model_path):
+    from folio import LLM
+    return LLM(model=str(default_model_path), dtype="float32", max_model_len=1024,
+               num_blocks=512, **{"observability.log_level": "warning"})
+
+
+def test_quantized_weights_track_the_dequantised_model(quantized_llm, llm):
+    # Same Q4_1/Q8_0 weights; only the activations differ, quantized per block of 32 to
+    # int8 on the way into each matmul (llama.cpp does the same). Measured: KL 0.0014 to
+    # 0.0072 nats per position, top-1 agreement 94-100% (0.75 on a 4-token prompt).
+    assert quantized_llm.runner.quantization == "gguf"
+    tok = llm.get_tokenizer()
+    agree = total = 0
+    for text in TEXTS:
+        ids = tok.encode(text)
+        ours = prefill_logits(quantized_llm.runner, ids).log_softmax(-1)
+        ref = prefill_logits(llm.runner, ids).log_softmax(-1)
+        kl = torch.nn.functional.kl_div(ours, ref, log_target=True, reduction="batchmean")
+        assert kl.item() < 0.02, text
+        agree += (ours.argmax(-1) == ref.argmax(-1)).sum().item()
+        total += len(ids)
+    assert agree / total >= 0.9
+

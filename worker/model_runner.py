@@ -15,7 +15,9 @@ from worker.attention_backend import (NATIVE_CPU, AttentionBackend, choose_atten
 from worker.device import resolve_device, resolve_dtype
 from worker.input_batch import InputBatch, build_input_batch
 from worker.kv_cache import KVCacheSpec, allocate_kv_cache, copy_blocks
+from worker.linear_backend import choose_linear_backends
 from worker.loader import load_model
+from worker.quantization import load_weights, quantization_for_device, release_freed_memory
 from worker.models.registry import build_model
 from worker.request_state import CachedRequestState, make_generator
 from worker.sampler import Sampler
@@ -55,17 +57,21 @@ class ModelRunner:
         self.device = resolve_device(worker_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         t0 = time.perf_counter()
-        loaded = load_model(model_config.path, self.dtype)
+        loaded = load_model(model_config.path, self.dtype,
+                            quantization=quantization_for_device(model_config.quantization,
+                                                                self.device))
         self.arch = loaded.architecture
         self.max_model_len = self._resolve_max_model_len()
         self.model = build_model(self.arch, self.max_model_len + 1)
-        self.model.load_weights(loaded.state_dict)
-        self.model.to(device=self.device, dtype=self.dtype).eval()
+        self.quantization = load_weights(self.model, loaded, self.device, self.dtype)
         k_major_weights = (self.device.type == "cpu" and worker_config.k_major_weights
                            and self.model.prepare_for_cpu())
+        self.linear_table = (choose_linear_backends(self.model, worker_config.linear_backend)
+                             if self.device.type == "cpu" else {})
+        release_freed_memory()
         self.load_seconds = time.perf_counter() - t0
         log.debug("model loaded", path=str(loaded.source_path), dtype=str(self.dtype),
-                  k_major_weights=k_major_weights,
+                  k_major_weights=k_major_weights, quantization=self.quantization,
                   architecture=self.arch.architecture, seconds=round(self.load_seconds, 2))
         self.block_size = memory_config.block_size
         self.kv_caches: list[torch.Tensor] = []
