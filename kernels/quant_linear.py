@@ -143,6 +143,15 @@ def dequantize(p: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tenso
     return w.reshape(w.shape[0], p.k)
 
 
+def weight_rows(p: PackedWeight, rows: torch.Tensor | None = None,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:func:`dequantize` in ``dtype`` through the native kernel when it is built (one
+    op: what an embedding lookup or a dequantise-then-GEMM path calls per step)."""
+    if cpu_extension.is_available():
+        return cpu_extension.require().quant_dequantize(p.qs, p.scales, p.fmt, p.n, rows, dtype)
+    return dequantize(p, rows).to(dtype)
+
+
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """x [M, K] as the int8 routes see it: per block of 32, ``xd * round(x / xd)`` with
     ``xd = max|x| / 127``, in float32 (exactly the kernel's quantization)."""

@@ -23,7 +23,10 @@
 namespace folio::quant {
 namespace {
 
-constexpr int kMR = 8;
+#ifndef FOLIO_QUANT_MR
+#define FOLIO_QUANT_MR 8
+#endif
+constexpr int kMR = FOLIO_QUANT_MR;  // activation rows per tile
 enum Route : int64_t { kBestInt8 = 0, kVnni512 = 1, kAvx2 = 2, kScalar = 3, kWiden = 4 };
 
 std::vector<int64_t> built_routes() {
@@ -49,12 +52,14 @@ struct Operands {
 };
 
 template <int64_t Fmt, int MR>
-void tile(int64_t route, const Operands& o, int64_t g, int64_t m0, float* acc) {
+void tile(int64_t route, const Operands& o, int64_t g, int64_t m0, float* acc, bool ahead) {
   const uint8_t* qs = o.qs + g * o.B * qs_bytes(Fmt);
   const c10::Half* sc = o.scales + g * o.B * scale_count(Fmt);
   switch (route) {
 #ifdef FOLIO_QUANT_VNNI512
-    case kVnni512: return tile_vnni512<Fmt, MR>(qs, sc, o.B, *o.xr, m0, acc);
+    case kVnni512:
+      return tile_vnni512<Fmt, MR>(qs, sc, o.B, *o.xr, m0, acc,
+                                   ahead ? qs + o.B * qs_bytes(Fmt) : nullptr);
 #endif
 #ifdef FOLIO_QUANT_AVX2
     case kAvx2: return tile_avx2<Fmt, MR>(qs, sc, o.B, *o.xr, m0, acc);
@@ -65,36 +70,64 @@ void tile(int64_t route, const Operands& o, int64_t g, int64_t m0, float* acc) {
 }
 
 template <int64_t Fmt, int MR = kMR>
-void tile_rows(int rows, int64_t route, const Operands& o, int64_t g, int64_t m0, float* acc) {
+void tile_rows(int rows, int64_t route, const Operands& o, int64_t g, int64_t m0, float* acc,
+               bool ahead) {
   if constexpr (MR > 1) {
-    if (rows < MR) return tile_rows<Fmt, MR - 1>(rows, route, o, g, m0, acc);
+    if (rows < MR) return tile_rows<Fmt, MR - 1>(rows, route, o, g, m0, acc, ahead);
   }
-  tile<Fmt, MR>(route, o, g, m0, acc);
+  tile<Fmt, MR>(route, o, g, m0, acc, ahead);
 }
 
+// Rows [0, rows) of a [rows][ldb] float buffer, columns [0, cols), into y (+ bias).
 template <typename O>
-void store(const float* acc, int rows, int cols, const float* bias, O* y, int64_t ldy) {
-  for (int r = 0; r < rows; ++r)
-    for (int j = 0; j < cols; ++j)
-      y[r * ldy + j] = static_cast<O>(acc[r * kGroupRows + j] + (bias ? bias[j] : 0.f));
+void store(const float* buf, int64_t ldb, int64_t rows, int64_t cols, const float* bias,
+           O* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j)
+      y[r * ldy + j] = static_cast<O>(buf[r * ldb + j] + (bias ? bias[j] : 0.f));
+}
+
+// Groups [g0, g1) against all M rows: tiles land in `buf` [M][span], which is then
+// written out row by row. Storing each tile straight into y would keep M rows of y
+// open at once, N apart: for the LM head (N = 49152, a multiple of 4096) those lines
+// all fall in a few cache sets and evict each other, which measured 2.5x slower at 64
+// rows; written row by row, each line of y is written once, whole.
+template <int64_t Fmt, typename O>
+void run_groups(int64_t route, const Operands& o, int64_t M, int64_t N, int64_t g0,
+                int64_t g1, const float* bias, O* y, std::vector<float>& buf) {
+  const int64_t groups = (N + kGroupRows - 1) / kGroupRows;
+  const int64_t span = (g1 - g0) * kGroupRows;
+  buf.resize(static_cast<size_t>(M * span));
+  alignas(64) float acc[kMR * kGroupRows];
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMR, M - m0));
+      // the last tile of a group that had others prefetches the next group: re-reading
+      // this one from cache stops the hardware prefetcher (Q8_0 ran at half speed)
+      const bool ahead = m0 > 0 && m0 + kMR >= M && g + 1 < groups;
+      tile_rows<Fmt>(rows, route, o, g, m0, acc, ahead);
+      store(acc, kGroupRows, rows, kGroupRows, nullptr,
+            buf.data() + m0 * span + (g - g0) * kGroupRows, span);
+    }
+  }
+  const int64_t cols = std::min(span, N - g0 * kGroupRows);
+  store(buf.data(), span, M, cols, bias ? bias + g0 * kGroupRows : nullptr,
+        y + g0 * kGroupRows, N);
 }
 
 template <int64_t Fmt, typename O>
 void run(int64_t route, const Operands& o, int64_t M, int64_t N, const float* bias, O* y) {
   const int64_t groups = (N + kGroupRows - 1) / kGroupRows;
-  const int64_t work = std::max<int64_t>(1, M * o.B * kBlock * kGroupRows);
+  // one tile of rows: groups go straight out; more: 4 groups (64 columns) at a time
+  const int64_t per_item = M > kMR ? 4 : 1;
+  const int64_t items = (groups + per_item - 1) / per_item;
+  const int64_t work = std::max<int64_t>(1, M * o.B * kBlock * kGroupRows * per_item);
   const int64_t grain = std::max<int64_t>(1, 65536 / work);  // ~64K multiply-adds a chunk
-  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
-    alignas(64) float acc[kMR * kGroupRows];
-    for (int64_t g = begin; g < end; ++g) {
-      const int cols = static_cast<int>(std::min<int64_t>(kGroupRows, N - g * kGroupRows));
-      for (int64_t m0 = 0; m0 < M; m0 += kMR) {
-        const int rows = static_cast<int>(std::min<int64_t>(kMR, M - m0));
-        tile_rows<Fmt>(rows, route, o, g, m0, acc);
-        store(acc, rows, cols, bias ? bias + g * kGroupRows : nullptr,
-              y + m0 * N + g * kGroupRows, N);
-      }
-    }
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> buf;
+    for (int64_t i = begin; i < end; ++i)
+      run_groups<Fmt>(route, o, M, N, i * per_item, std::min(groups, (i + 1) * per_item),
+                      bias, y, buf);
   });
 }
 
@@ -156,6 +189,52 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
   return out;
 }
 
+// Row `row` of the weight as floats: d * (u - offset) (+ m), u as stored.
+template <int64_t Fmt, typename O>
+void dequantize_row(const uint8_t* qs, const c10::Half* sc, int64_t B, int64_t row, O* out) {
+  const int64_t g = row / kGroupRows;
+  const int j = static_cast<int>(row % kGroupRows);
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* q = qs + (g * B + b) * qs_bytes(Fmt);
+    const c10::Half* s = sc + (g * B + b) * scale_count(Fmt);
+    const float d = static_cast<float>(s[j]);
+    const float m = Fmt == kQ4_1 ? static_cast<float>(s[16 + j]) : 0.f;
+    for (int k = 0; k < kBlock; ++k)
+      out[b * kBlock + k] = static_cast<O>(
+          static_cast<float>(stored_at<Fmt>(q, j, k) - offset_of(Fmt)) * d + m);
+  }
+}
+
+// The weight's rows `rows` (all rows when undefined) as `dtype`: embedding lookups and
+// the dequantise-then-GEMM path. Same values as kernels/quant_linear.py's dequantize.
+at::Tensor quant_dequantize(const at::Tensor& qs, const at::Tensor& scales, int64_t fmt,
+                            int64_t n, const c10::optional<at::Tensor>& rows_in,
+                            at::ScalarType dtype) {
+  check_operands(at::empty({0, qs.size(1) * kBlock}), qs, scales, fmt, n, kBestInt8);
+  const int64_t B = qs.size(1);
+  const at::Tensor rows = rows_in.has_value() && rows_in->defined()
+                              ? rows_in->to(at::kLong).contiguous().view(-1)
+                              : at::arange(n, at::kLong);
+  const int64_t* r = rows.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.numel(); ++i)
+    TORCH_CHECK(r[i] >= 0 && r[i] < n, "quant_dequantize: row ", r[i], " out of range");
+  at::Tensor out = at::empty({rows.numel(), B * kBlock}, at::TensorOptions().dtype(dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "quant_dequantize", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const uint8_t* q = qs.const_data_ptr<uint8_t>();
+    const c10::Half* sc = scales.const_data_ptr<c10::Half>();
+    at::parallel_for(0, rows.numel(), 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        scalar_t* row_out = o + i * B * kBlock;
+        if (fmt == kQ4_0) dequantize_row<kQ4_0>(q, sc, B, r[i], row_out);
+        else if (fmt == kQ4_1) dequantize_row<kQ4_1>(q, sc, B, r[i], row_out);
+        else dequantize_row<kQ8_0>(q, sc, B, r[i], row_out);
+      }
+    });
+  });
+  return out;
+}
+
 std::vector<int64_t> quant_routes() { return built_routes(); }
 
 }  // namespace
@@ -165,8 +244,11 @@ TORCH_LIBRARY_FRAGMENT(folio, m) {
   m.def("quant_linear(Tensor x, Tensor qs, Tensor scales, int fmt, int n, Tensor? bias=None, "
         "int route=0) -> Tensor");
   m.def("quant_routes() -> int[]", &folio::quant::quant_routes);
+  m.def("quant_dequantize(Tensor qs, Tensor scales, int fmt, int n, Tensor? rows, "
+        "ScalarType dtype) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(folio, CPU, m) {
   m.impl("quant_linear", &folio::quant::quant_linear);
+  m.impl("quant_dequantize", &folio::quant::quant_dequantize);
 }

@@ -43,7 +43,8 @@ inline int32_t word_at(const int8_t* p) {  // 4 int8 as one 32-bit word (to broa
 
 template <int64_t Fmt, int MR>
 inline void tile_vnni512(const uint8_t* qs, const c10::Half* sc, int64_t B,
-                         const QuantizedRows& xr, int64_t m0, float* out) {
+                         const QuantizedRows& xr, int64_t m0, float* out,
+                         const uint8_t* ahead = nullptr) {
   constexpr int S = scale_count(Fmt);
   const int64_t K = B * kBlock;
   __m512 acc[MR];
@@ -61,6 +62,8 @@ inline void tile_vnni512(const uint8_t* qs, const c10::Half* sc, int64_t B,
     } else {
       for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(q + 64 * c);
     }
+    if (ahead != nullptr)  // the next group's block: re-reading this one stops the prefetcher
+      for (int c = 0; c < qs_bytes(Fmt) / 64; ++c) __builtin_prefetch(ahead + b * qs_bytes(Fmt) + 64 * c);
     const c10::Half* s = sc + b * S;
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
     __m512 mins = _mm512_setzero_ps();

@@ -183,3 +183,15 @@ def test_bad_operands_are_refused(ops):
         ops.quant_linear(x, p.qs, p.scales, ql.Q4_1, 33, None, 0)
     with pytest.raises(RuntimeError, match="route"):
         ops.quant_linear(x, p.qs, p.scales, ql.Q4_1, 32, None, 9)
+
+
+@pytest.mark.parametrize("fmt", [ql.Q4_0, ql.Q4_1, ql.Q8_0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_dequantize_equals_the_reference(ops, fmt, dtype):
+    packed = ql.pack_gguf_blocks(random_blocks(40, 96, fmt, 5), fmt, 96)
+    expected = ql.dequantize(packed).to(dtype)
+    assert torch.equal(ql.weight_rows(packed, None, dtype), expected)
+    rows = torch.tensor([[39, 0], [16, 17]])
+    assert torch.equal(ql.weight_rows(packed, rows, dtype), expected[rows.view(-1)])
+    with pytest.raises(RuntimeError, match="out of range"):
+        ql.weight_rows(packed, torch.tensor([40]))

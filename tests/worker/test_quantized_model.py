@@ -109,6 +109,10 @@ def test_each_backend_on_bf16_weights_matches_the_float32_model(q_gguf, referenc
 
 def test_measured_table_is_cached_per_machine_and_reused(q_gguf, monkeypatch,
                                                          _private_weight_cache):
+    monkeypatch.setattr(linear_backend, "machine_is_busy", lambda: True)
+    runner_for(q_gguf)
+    assert not (_private_weight_cache / "linear_backend").exists()  # busy: not kept
+    monkeypatch.setattr(linear_backend, "machine_is_busy", lambda: False)
     first = runner_for(q_gguf)
     files = list((_private_weight_cache / "linear_backend").glob("*.json"))
     assert len(files) == 1

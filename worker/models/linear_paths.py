@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_extension
-from kernels.quant_linear import BEST_INT8, WIDEN as WIDEN_ROUTE, PackedWeight, dequantize
-from kernels.quant_linear import quant_linear
+from kernels.quant_linear import BEST_INT8, WIDEN as WIDEN_ROUTE, PackedWeight
+from kernels.quant_linear import quant_linear, weight_rows
 
 NATIVE, KERNEL, WIDEN, INT8 = "native", "kernel", "widen", "int8"
 PATHS = (NATIVE, KERNEL, WIDEN, INT8)
@@ -85,7 +85,7 @@ def run_path(path: str, x: torch.Tensor, weight, bias: torch.Tensor | None) -> t
     """``x @ weight.T (+ bias)`` in x's dtype through ``path`` (one of candidates())."""
     if isinstance(weight, PackedWeight):
         if path == NATIVE:
-            return F.linear(x, dequantize(weight).to(x.dtype), bias)
+            return F.linear(x, weight_rows(weight, None, x.dtype), bias)
         return quant_linear(x, weight, bias, WIDEN_ROUTE if path == WIDEN else BEST_INT8)
     if path == KERNEL:
         ops = cpu_extension.require()

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.quant_linear import BLOCK, PackedWeight, dequantize, int8_per_channel
-from kernels.quant_linear import pack_gguf_blocks
+from kernels.quant_linear import BLOCK, PackedWeight, int8_per_channel, pack_gguf_blocks
+from kernels.quant_linear import weight_rows
 from worker.gguf_loader import QuantizedBlocks
 from worker.models.linear import Linear, linear
 from worker.models.linear_paths import LinearChoice
@@ -54,8 +54,8 @@ class QuantEmbedding(nn.Module):
         self.dtype = dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = dequantize(self.weight, input_ids)
-        return rows.to(self.dtype).reshape(*input_ids.shape, self.weight.k)
+        rows = weight_rows(self.weight, input_ids, self.dtype)
+        return rows.reshape(*input_ids.shape, self.weight.k)
 
     def _apply(self, fn, recurse=True):
         # model.to(dtype) reaches here: follow the dtype it gives a float tensor
