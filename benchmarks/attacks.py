@@ -46,10 +46,12 @@ async def one_bomb(session: aiohttp.ClientSession, url: str, headers: dict,
 
 async def one_oversized(session: aiohttp.ClientSession, url: str, headers: dict,
                         vocab_size: int) -> int:
-    """A request whose parameters are as large as the body allows; its status."""
-    body = {"prompt": "Hi", "n": 16, "max_tokens": 1,
-            "stop_token_ids": list(range(vocab_size)) * 40}
-    async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
+    """A request with n = 16 and as many stop_token_ids as the 4 MiB body holds (about
+    two million); its status."""
+    ids = ",".join(["1"] * ((BOMB_BYTES - 200) // 2))
+    body = ('{"prompt":"Hi","n":16,"max_tokens":1,"stop_token_ids":[' + ids + "]}")
+    async with session.post(url + "/v1/completions", data=body,
+                            headers={**headers, "Content-Type": "application/json"}) as r:
         await r.read()
         return r.status
 
@@ -91,7 +93,10 @@ async def _repeat(concurrency: int, stop: asyncio.Event, one) -> int:
         async def loop():
             nonlocal sent
             while not stop.is_set():
-                await one(session)
+                try:
+                    await one(session)
+                except aiohttp.ClientError:
+                    await asyncio.sleep(0.1)  # refused mid-upload: an answer too
                 sent += 1
         await asyncio.gather(*(loop() for _ in range(concurrency)))
     return sent
@@ -104,42 +109,56 @@ async def bombs(url: str, headers: dict, stop: asyncio.Event, concurrency: int =
 
 async def slowloris(url: str, stop: asyncio.Event, connections: int = 300,
                     byte_every_s: float = 1.0) -> int:
-    """Partial headers, one byte every ``byte_every_s``; how many got closed."""
+    """``connections`` slots, each holding a connection that sends a partial header one
+    byte every ``byte_every_s`` and opening a new one when the server closes it; how
+    many the server closed."""
     host, port = _host_port(url)
     closed = 0
+    header = f"GET /v1/models HTTP/1.1\r\nHost: {host}\r\nX-Slow: ".encode()
 
-    async def one():
+    async def hold_one() -> None:
         nonlocal closed
         try:
             reader, writer = await asyncio.open_connection(host, port)
         except OSError:
             closed += 1
+            await asyncio.sleep(byte_every_s)
             return
-        header = f"GET /v1/models HTTP/1.1\r\nHost: {host}\r\nX-Slow: ".encode()
         try:
-            for i in range(10 ** 6):
-                if stop.is_set():
-                    break
+            i = 0
+            while not stop.is_set():
                 writer.write(header[i:i + 1] if i < len(header) else b"a")
                 await writer.drain()
                 await asyncio.sleep(byte_every_s)
+                i += 1
                 if reader.at_eof():
                     closed += 1
-                    break
+                    return
         except (ConnectionError, OSError):
             closed += 1
         finally:
             writer.close()
 
-    await asyncio.gather(*(one() for _ in range(connections)))
+    async def slot() -> None:
+        while not stop.is_set():
+            await hold_one()
+
+    await asyncio.gather(*(slot() for _ in range(connections)))
     return closed
 
 
 async def slow_bodies(url: str, stop: asyncio.Event, connections: int = 100) -> int:
-    """Declared 100 kB bodies sent a byte a second; how many the server closed."""
-    results = await asyncio.gather(*(one_slow_client(url, 3600.0, stop=stop)
-                                     for _ in range(connections)))
-    return sum(r == "closed by server" for r in results)
+    """``connections`` slots trickling a declared 100 kB body a byte a second, each
+    starting again when the server closes it; how many the server closed."""
+    closed = 0
+
+    async def slot() -> None:
+        nonlocal closed
+        while not stop.is_set():
+            closed += await one_slow_client(url, 3600.0, stop=stop) == "closed by server"
+
+    await asyncio.gather(*(slot() for _ in range(connections)))
+    return closed
 
 
 async def health_flood(url: str, stop: asyncio.Event, connections: int = 32,

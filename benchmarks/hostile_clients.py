@@ -89,7 +89,8 @@ async def run_attack(url: str, name: str, num: int) -> dict:
         stdout=asyncio.subprocess.PIPE)
     await asyncio.sleep(3.0)  # let the attack reach its steady state
     loaded = await ttfts(url, VICTIM, num)
-    attacker.terminate()
+    if attacker.returncode is None:
+        attacker.terminate()
     out, _ = await asyncio.wait_for(attacker.communicate(), 120)
     done = int(out.strip() or -1)
     stop_watch.set()

@@ -1,16 +1,22 @@
 """The native CPU kernels, compiled at first use into one extension.
 
 ``csrc/*.cpp`` (decode paged attention, 16-bit linear layers, fused RMSNorm, linear layers
-on block-quantized weights) are built with ``torch.utils.cpp_extension.load`` the first time :func:`ensure` (or a wrapper's
-``is_available``) runs, then loaded from the build folder on later starts (a warm load
-takes well under a second; a cold build a minute or so). Each source registers its
-operators under ``torch.ops.folio``.
+on block-quantized weights) are built with ``torch.utils.cpp_extension.load`` the first
+time :func:`ensure` (or a wrapper's ``is_available``) runs, then loaded from the build
+folder on later starts (a warm load takes well under a second; a cold build a minute or
+so). Each source registers its operators under ``torch.ops.folio``.
 
 Build folder: ``$FOLIO_CACHE_DIR/torch_extensions/<name>`` when ``FOLIO_CACHE_DIR`` is
 set to a directory, else torch's default (``$TORCH_EXTENSIONS_DIR`` or
 ``~/.cache/torch_extensions``). ``<name>`` hashes the sources, the flags, the torch
 version and the CPU's feature flags: the build uses ``-march=native``, so a cache shared
 between different CPUs must never hand one machine another's binary.
+
+Builders never wait on a dead one: torch guards a build with a ``lock`` file that stays
+behind when its process is killed mid-compile, and every later build would wait on it for
+ever. So each build holds an ``fcntl`` lock on ``<build folder>/folio.flock`` (released by
+the kernel when its holder dies, however it dies); a torch ``lock`` file found while
+holding it belongs to no live Folio builder and is removed.
 
 ``FOLIO_DISABLE_CPU_KERNELS=1`` switches the kernels off (``is_available()`` is False
 and nothing is built, unless it was already loaded). Any build or load failure is logged
@@ -22,10 +28,13 @@ Threads: the kernels split work with ``at::parallel_for``, i.e. torch's own Open
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import platform
+import sys
 import threading
 import time
 import warnings
@@ -89,13 +98,43 @@ def build_id() -> str:
     return _extension_name()
 
 
-def _build_directory(name: str) -> str | None:
+def _torch_default_root() -> Path:
+    """Where torch would build (its own rule: $TORCH_EXTENSIONS_DIR, else the user cache)."""
+    configured = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if configured:
+        return Path(configured).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    major, minor = sys.version_info[:2]
+    variant = "cu" + torch.version.cuda.replace(".", "") if torch.version.cuda else "cpu"
+    return Path(cache) / "torch_extensions" / f"py{major}{minor}_{variant}"
+
+
+def _build_directory(name: str) -> Path:
     configured = os.environ.get("FOLIO_CACHE_DIR")
     if configured is None or configured.strip().lower() in _CACHE_OFF:
-        return None  # torch's default root
-    path = Path(configured).expanduser() / "torch_extensions" / name
+        path = _torch_default_root() / name
+    else:
+        path = Path(configured).expanduser() / "torch_extensions" / name
     path.mkdir(parents=True, exist_ok=True)
-    return str(path)
+    return path
+
+
+@contextlib.contextmanager
+def build_guard(build_directory: Path):
+    """Hold the folder's builder lock; drop torch's ``lock`` file if a dead builder left it.
+
+    Waits while another live process builds (its compile takes a minute or so)."""
+    with open(build_directory / "folio.flock", "a+") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            baton = build_directory / "lock"
+            if baton.exists():  # no live Folio builder holds it: ours is the only flock
+                log.warning("removing a build lock left by a killed build",
+                            path=str(baton))
+                baton.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(guard, fcntl.LOCK_UN)
 
 
 def _load():
@@ -106,12 +145,13 @@ def _load():
     torch_log = logging.getLogger("torch.utils.cpp_extension")
     level = torch_log.level
     torch_log.setLevel(logging.ERROR)
+    build_directory = _build_directory(name)
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), build_guard(build_directory):
             warnings.simplefilter("ignore")
             cpp_extension.load(name=name, sources=[str(s) for s in _SOURCES],
                                extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
-                               build_directory=_build_directory(name),
+                               build_directory=str(build_directory),
                                is_python_module=False, verbose=False)
     finally:
         torch_log.setLevel(level)
