@@ -98,7 +98,8 @@ def time_paths(weights: list, paths: tuple[str, ...], dtype: torch.dtype,
                max_rows: int = ROW_BUCKETS[-1]) -> dict[str, list]:
     """Seconds per call of each path at each row bucket up to ``max_rows`` (None: gave
     up on it; larger buckets repeat the last), the best of ``_ROUNDS`` passes taken in
-    turn, so that a burst of load elsewhere on a shared machine hits every path alike."""
+    turn, so that a burst of load elsewhere on a shared machine hits every path alike.
+    The path in the lead is never dropped, so every bucket keeps at least one time."""
     k = weights[0].shape[1]
     out = {p: [] for p in paths}
     floor = dict.fromkeys(paths, 0.0)  # a path's time only grows with rows
@@ -113,7 +114,8 @@ def time_paths(weights: list, paths: tuple[str, ...], dtype: torch.dtype,
         live = list(paths)
         for round_ in range(_ROUNDS):
             for path in list(live):
-                if floor[path] > _GIVE_UP_FACTOR * min(best.values()):
+                lead = min(best.values())
+                if best[path] > lead and floor[path] > _GIVE_UP_FACTOR * lead:
                     live.remove(path)  # slower at fewer rows than the best is here
                     continue
                 # the first round's pass is one warm-up call (allocations, first touch)
