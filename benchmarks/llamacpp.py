@@ -1,7 +1,7 @@
 """Native llama.cpp binaries for the baselines, built from the source vendored in the
 ``llama-cpp-python`` sdist, cached in the git-ignored ``.llamacpp/`` folder.
 
-    .venv/bin/python benchmarks/llamacpp.py            # build (5-15 minutes on 2 cores)
+    .venv/bin/python benchmarks/llamacpp.py [JOBS]     # build (5-15 minutes on 2 cores)
 
 ``GGML_NATIVE=ON`` built binaries that died with SIGILL on an AMX Xeon, so the build
 names its instruction sets: AVX2/FMA/F16C always, AVX-512 (+VNNI, +BF16) when this CPU
@@ -50,27 +50,38 @@ def binary(name: str) -> Path | None:
     return path if path.exists() else None
 
 
-def build(jobs: int = 2) -> Path:
-    """Download the sdist (pip), configure and build TARGETS; returns the binary folder."""
-    out = binary_dir()
-    if all((out / t).exists() for t in TARGETS):
-        return out
+def _source() -> Path:
+    """The llama.cpp tree vendored in the sdist, unpacked once under CACHE."""
+    root = CACHE / f"src-{VERSION}"
+    found = list(root.glob("llama_cpp_python-*/vendor/llama.cpp/CMakeLists.txt"))
+    if found:
+        return found[0].parent
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:",
                         "--no-deps", f"llama-cpp-python=={VERSION}", "-d", tmp], check=True)
         sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        partial = root.with_suffix(".partial")
         with tarfile.open(sdist) as tar:
-            tar.extractall(tmp, filter="data")
-        source = next(Path(tmp).glob("llama_cpp_python-*")) / "vendor" / "llama.cpp"
-        build_dir = Path(tmp) / "build"
-        subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), "-G", "Ninja",
-                        *cmake_options()], check=True)
-        subprocess.run(["cmake", "--build", str(build_dir), "-j", str(jobs), "--target",
-                        *TARGETS], check=True)
-        out.mkdir(parents=True, exist_ok=True)
-        for target in TARGETS:
-            (out / target).write_bytes((build_dir / "bin" / target).read_bytes())
-            (out / target).chmod(0o755)
+            tar.extractall(partial, filter="data")
+        partial.rename(root)
+    return _source()
+
+
+def build(jobs: int = 2) -> Path:
+    """Download the sdist (pip), configure and build TARGETS; returns the binary folder.
+    The build folder stays under CACHE, so a build that was stopped resumes."""
+    out = binary_dir()
+    if all((out / t).exists() for t in TARGETS):
+        return out
+    build_dir = out.parent / "build"
+    subprocess.run(["cmake", "-S", str(_source()), "-B", str(build_dir), "-G", "Ninja",
+                    *cmake_options()], check=True)
+    subprocess.run(["cmake", "--build", str(build_dir), "-j", str(jobs), "--target",
+                    *TARGETS], check=True)
+    out.mkdir(parents=True, exist_ok=True)
+    for target in TARGETS:
+        (out / target).write_bytes((build_dir / "bin" / target).read_bytes())
+        (out / target).chmod(0o755)
     (out.parent / "build.json").write_text(json.dumps({"version": VERSION,
                                                        "cmake": cmake_options()}, indent=1))
     return out
@@ -90,4 +101,4 @@ def llama_bench(gguf: Path, threads: int, tokens: int = 128, repetitions: int = 
 
 
 if __name__ == "__main__":
-    print(build())
+    print(build(int(sys.argv[1]) if len(sys.argv) > 1 else 2))
