@@ -5,7 +5,8 @@ groups of 16 side by side, so a 64-byte vector holds 4 consecutive k of 16 rows,
 operand of one ``vpdpbusd``. :func:`pack_gguf_blocks` re-lays a GGUF tensor's blocks
 into it byte for byte (the same number of bytes), :func:`dequantize` is the torch
 reference of what the weight means, and :func:`quant_linear` runs ``x @ W.T`` on it:
-the native kernel (``csrc/quant_linear.cpp``) when it is built, else the reference.
+the native kernel (``csrc/quant_linear.cpp``) when it is built, the Triton dequant-GEMM
+on CUDA, else the reference.
 
 Routes of the native kernel (``ROUTES``): the int8 ones quantize each row of x per
 block of 32 to int8 (scale ``max|x| / 127``, round half to even) and multiply in
@@ -191,10 +192,14 @@ def routes_available() -> list[int]:
 def quant_linear(x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None = None,
                  route: int = BEST_INT8) -> torch.Tensor:
     """``x @ W.T (+ bias)`` in x's dtype for x ``[..., k]``: the native kernel's
-    ``route``, or the dequantised torch product when the kernels are unavailable."""
+    ``route`` on the CPU, the Triton dequant-GEMM (kernels/triton_quant_linear.py) on
+    CUDA, or the dequantised torch product when neither applies."""
     x2 = x.reshape(-1, x.shape[-1])
     if x.device.type == "cpu" and cpu_extension.is_available():
         out = cpu_extension.require().quant_linear(x2, p.qs, p.scales, p.fmt, p.n, bias, route)
+    elif x.device.type == "cuda" and p.qs.device == x.device:
+        from kernels.triton_quant_linear import quant_linear_triton  # triton: GPU installs
+        out = quant_linear_triton(x2, p, bias)
     else:
         out = F.linear(x2, dequantize(p).to(device=x.device, dtype=x.dtype), bias)
     return out.reshape(*x.shape[:-1], p.n)
