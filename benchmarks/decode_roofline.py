@@ -38,10 +38,16 @@ from benchmarks.machine import machine_facts, memory_bandwidth_gb_s  # noqa: E40
 
 
 def linear_layers(model):
-    """(weight, bias, choice) of every matmul a decode step runs, in model order."""
+    """(weight, bias, choice) of every matmul a decode step runs, in model order, each
+    once (an untied LM head is both a Linear module and the head)."""
     from worker.linear_backend import linear_weights
-    return [(weight, getattr(owner, "bias", None) if attr == "choice" else None,
-             getattr(owner, attr)) for owner, attr, weight in linear_weights(model)]
+    seen, layers = set(), []
+    for owner, attr, weight in linear_weights(model):
+        if id(weight) not in seen:
+            seen.add(id(weight))
+            layers.append((weight, getattr(owner, "bias", None) if attr == "choice" else None,
+                           getattr(owner, attr)))
+    return layers
 
 
 def weight_bytes(weight) -> int:
