@@ -6,8 +6,9 @@ The text (``benchmarks/data/perplexity_text.txt``, an essay written for this ben
 score the next token, and perplexity is ``exp(mean negative log-likelihood)``. Each
 configuration is a full Folio model (``model.quantization`` x ``model.dtype`` x
 ``worker.linear_backend``); the first is the reference and the others are reported
-relative to it. With ``--llama-perplexity BIN`` llama.cpp's own tool scores the same
-text and GGUF (its windows differ: it reports its own context length).
+relative to it. llama.cpp's own ``llama-perplexity`` scores the same text and GGUF beside
+them when benchmarks/llamacpp.py has built it (or ``--llama-perplexity BIN`` names one);
+its windows differ: it reports its own context length.
 
     .venv/bin/python benchmarks/perplexity.py --json benchmarks/results/perplexity.json
 """
@@ -95,7 +96,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--llama-perplexity", type=Path, default=None,
-                    help="llama.cpp's llama-perplexity binary, to score the same text")
+                    help="llama.cpp's llama-perplexity binary (default: the one "
+                         "benchmarks/llamacpp.py built, if any)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
@@ -108,8 +110,10 @@ def main(argv=None) -> int:
     for r in results:
         r["relative_to_reference"] = r["perplexity"] / reference - 1
         print(f"{r['label']:52s} {100 * r['relative_to_reference']:+6.2f}% vs reference")
-    if args.llama_perplexity:
-        results.append(llama_perplexity(args.llama_perplexity,
+    from benchmarks.llamacpp import binary
+    binary_path = args.llama_perplexity or binary("llama-perplexity")
+    if binary_path:
+        results.append(llama_perplexity(binary_path,
                                         resolve_model_path(args.model), args.threads))
         print(f"{results[-1]['label']:52s} ppl {results[-1]['perplexity']:8.4f}")
     if args.json:
