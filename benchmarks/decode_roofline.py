@@ -138,6 +138,30 @@ def bandwidth_row(runner, step_seconds: float, bandwidth: float, context: int) -
             "fraction_of_bandwidth_limit": limit / step_seconds}
 
 
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def memory_row(runner, model_file: Path) -> dict:
+    """This process's resident memory against the issue's bound: the model file's size
+    plus the KV pool plus 300 MB. The process is the whole in-process engine (worker,
+    engine core, tokenizer, torch itself), so it overstates the worker alone."""
+    kv = sum(t.numel() * t.element_size() for t in runner.kv_caches)
+    files = [model_file] if model_file.is_file() else list(model_file.glob("*.safetensors"))
+    file_bytes = sum(f.stat().st_size for f in files)
+    bound = file_bytes + kv + 300 * 2 ** 20
+    row = {"rss_bytes": _status_bytes("VmRSS"), "peak_rss_bytes": _status_bytes("VmHWM"),
+           "model_file_bytes": file_bytes, "kv_pool_bytes": kv, "bound_bytes": bound}
+    print(f"RSS {row['rss_bytes'] / 2 ** 20:.0f} MiB (peak {row['peak_rss_bytes'] / 2 ** 20:.0f})"
+          f" vs model file {file_bytes / 2 ** 20:.0f} MiB + KV pool {kv / 2 ** 20:.0f} MiB + "
+          f"300 MiB = {bound / 2 ** 20:.0f} MiB", flush=True)
+    return row
+
+
 def serve_single_stream(args) -> dict:
     """One client through `folio serve`: decode tok/s as 1 / mean TPOT."""
     from benchmarks.serve_stack import serving
@@ -181,6 +205,7 @@ def run(args) -> dict:
         result["batch_1"] = bandwidth_row(runner, one[0]["decode_step_seconds"], bandwidth,
                                           args.context)
         result["bandwidth_after_gb_s"] = memory_bandwidth_gb_s()
+    result["memory"] = memory_row(runner, Path(resolve_model_path(args.model)))
     del llm, runner
     if args.serve:
         result["serve_single_stream"] = serve_single_stream(args)
