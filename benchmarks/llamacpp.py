@@ -41,7 +41,9 @@ def cmake_options() -> list[str]:
 
 
 def binary_dir() -> Path:
-    key = "-".join(o.split("=")[0][8:].lower() for o in cmake_options() if o.endswith("=ON"))
+    # "-DGGML_AVX512_VNNI=ON" -> "avx512_vnni": the instruction sets this build uses
+    key = "-".join(o.split("=")[0].removeprefix("-DGGML_").lower() for o in cmake_options()
+                   if o.startswith("-DGGML_") and o.endswith("=ON"))
     return CACHE / f"{VERSION}-{key}" / "bin"
 
 
