@@ -52,7 +52,7 @@ def check(x, p, bias, dtype):
 
 @pytest.mark.parametrize("fmt", [ql.Q4_0, ql.Q4_1, ql.Q8_0], ids=["q4_0", "q4_1", "q8_0"])
 @pytest.mark.parametrize("n,k", [(16, 32), (40, 96), (200, 256), (96, 576)])
-@pytest.mark.parametrize("m", [1, 5, 33])
+@pytest.mark.parametrize("m", [1, 33])  # 12 rows: the 16-bit test below
 def test_matches_the_dequantised_product_in_float32(fmt, n, k, m):
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * n + k))
     check(x, random_packed(n, k, fmt, seed=n + k), None, torch.float32)
