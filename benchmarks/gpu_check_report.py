@@ -5,9 +5,10 @@
     python benchmarks/gpu_check_report.py summary WORK MODE [OUT]
 
 ``summary`` gathers what the sections left in WORK (sections/*.json, wheels.json,
-compile.jsonl, parity.json, bench_*.json), prints a table and then the headline as one
-JSON object (the last thing the check prints), writes everything to OUT/gpu_check.json
-when OUT is given, and exits 1 unless every section passed or was skipped.
+compile.jsonl, parity.json, bench_*.json, lora_bench.json), prints a table and then the
+headline as one JSON object (the last thing the check prints), writes everything to
+OUT/gpu_check.json when OUT is given, and exits 1 unless every section passed or was
+skipped.
 """
 from __future__ import annotations
 
@@ -82,6 +83,15 @@ def _bench_headline(bench: dict) -> dict:
     return out
 
 
+def _lora_headline(lora: dict | None) -> dict | None:
+    """lora_throughput.py's output tok/s and its two ratios (targets 0.70 and 2.0)."""
+    if not lora:
+        return None
+    return {"tok_s": {k: round(lora[k]["tok_s"], 1) for k in ("base", "mixed", "naive")},
+            "mixed_vs_base": round(lora["mixed_vs_base"], 3),
+            "mixed_vs_naive": round(lora["mixed_vs_naive"], 2)}
+
+
 def summary(work: str, mode: str, out: str = "") -> int:
     work_dir = Path(work)
     records = sorted((work_dir / "sections").glob("*.json"), key=lambda p: p.stat().st_mtime)
@@ -102,14 +112,16 @@ def summary(work: str, mode: str, out: str = "") -> int:
                               "ok": wheels["ok"]},
         "compile": _compile_headline(compile_rows),
         "parity": _parity_headline(_load(work_dir / "parity.json")),
-        "bench": _bench_headline(bench)}
+        "bench": _bench_headline(bench),
+        "lora": _lora_headline(_load(work_dir / "lora_bench.json"))}
     print("\n=== summary ===")
     for name, s in sections.items():
         print(f"{name:12s} {s['status']:8s} {s['seconds']:7.1f} s  {s['note']}")
     if out:
         details = {"headline": headline, "env": env_info, "sections": sections,
                    "wheels": wheels, "compile": compile_rows,
-                   "parity": _load(work_dir / "parity.json"), "bench": bench}
+                   "parity": _load(work_dir / "parity.json"), "bench": bench,
+                   "lora": _load(work_dir / "lora_bench.json")}
         Path(out, "gpu_check.json").write_text(json.dumps(details, indent=2) + "\n")
         print(f"results: {out}/gpu_check.json")
     print(json.dumps(headline, indent=1), flush=True)

@@ -45,6 +45,16 @@ FLAT_ALIASES = {
     "num_threads": "worker.num_threads",
     "enforce_eager": "worker.enforce_eager",
     "attention_backend": "worker.attention_backend",
+    "enable_lora": "lora.enable_lora",
+    "max_loras": "lora.max_loras",
+    "max_lora_rank": "lora.max_lora_rank",
+    "max_cpu_loras": "lora.max_cpu_loras",
+    "speculative_method": "speculative.method",
+    "num_speculative_tokens": "speculative.num_speculative_tokens",
+    "prompt_lookup_min": "speculative.prompt_lookup_min",
+    "prompt_lookup_max": "speculative.prompt_lookup_max",
+    "speculative_draft_model": "speculative.draft_model",
+    "speculative_disable_by_batch_size": "speculative.disable_by_batch_size",
 }
 
 
@@ -86,6 +96,8 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
         key_type, value_type = typing.get_args(tp)
         return {_coerce(k, key_type, key, source): _coerce(v, value_type, key, source)
                 for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        return _coerce_item(value, tp, key, source)
     ok = {
         bool: lambda v: isinstance(v, bool),
         int: lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -95,6 +107,27 @@ def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
     if not ok:
         raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r} (in {source})", key)
     return float(value) if tp is float else value
+
+
+def _coerce_item(value: Any, cls: type, key: str, source: str) -> Any:
+    """One list item that is a small dataclass (lora.adapters): a YAML mapping of its
+    fields, or the ``name=path`` text its ``parse`` reads (from env or --set)."""
+    hints = _section_types(cls)
+    if isinstance(value, str) and hasattr(cls, "parse"):
+        def build():
+            return cls.parse(value)
+    elif isinstance(value, dict) and set(value) <= set(hints):
+        fields = {k: _coerce(v, hints[k], key, source) for k, v in value.items()}
+
+        def build():
+            return cls(**fields)
+    else:
+        raise ConfigError(f"{key}: expected a mapping with keys {', '.join(hints)}, got "
+                          f"{value!r} (in {source})", key)
+    try:  # the item's own checks name the key; the source is added here
+        return build()
+    except ConfigError as e:
+        raise ConfigError(f"{e} (in {source})", e.key) from None
 
 
 def _set_path(tree: dict, dotted: str, value: Any, source: str) -> None:

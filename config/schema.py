@@ -3,7 +3,7 @@
 Each field's ``metadata["doc"]`` is its one-line description; the loader uses it for
 error messages and ``folio config`` prints it. Validation lives next to the fields in
 ``__post_init__`` so a bad value is rejected however the tree was built. The serving
-sections (`services`, `api`) live in serving.py.
+sections (`services`, `api`) live in serving.py, `lora` in lora.py.
 """
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 
 # ConfigError and every section are importable from here: the tree's one front door.
 from config.fields import ConfigError, _check, _f  # noqa: F401
+from config.lora import LoRAConfig
 from config.serving import APIConfig, ServicesConfig
+from config.speculative import SpeculativeConfig
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -176,8 +178,12 @@ class ObservabilityConfig:
                                 "for prefill, one for decode; +0.4%), measured by "
                                 "benchmarks/tracing_overhead.py")
     enable_metrics: bool = _f(True, "serve Prometheus metrics at the API's /metrics")
+    metrics_prefix: str = _f("folio", "engine metric names start '<prefix>:' ('vllm' for "
+                             "dashboards made for vLLM)")
 
     def __post_init__(self):
+        _check(self.metrics_prefix.isidentifier(), "observability.metrics_prefix",
+               "must be a name of letters, digits and underscores")
         _check(self.log_level in LOG_LEVELS, "observability.log_level",
                f"must be one of {LOG_LEVELS}")
         _check(self.log_format in LOG_FORMATS, "observability.log_format",
@@ -202,3 +208,5 @@ class FolioConfig:
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     services: ServicesConfig = field(default_factory=ServicesConfig)
     api: APIConfig = field(default_factory=APIConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

@@ -6,7 +6,8 @@ import math
 from dataclasses import dataclass, field
 
 from config.fields import _check, _f
-from config.request_bounds import ENGINE_MAX_LOGPROBS, ENGINE_MAX_STOP_STRINGS
+from config.request_bounds import (ENGINE_MAX_GRAMMAR_CHARS, ENGINE_MAX_LOGPROBS,
+                                   ENGINE_MAX_STOP_STRINGS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,8 @@ class APIConfig:
                                "beyond)")
     max_headers: int = _f(100, "most header fields in one request (431 beyond)")
     max_n: int = _f(16, "most samples one request may ask for ('n')")
+    max_batch_prompts: int = _f(64, "most prompts one /v1/completions request may hold (a "
+                                "list of texts or of token-id lists)")
     max_stop_strings: int = _f(ENGINE_MAX_STOP_STRINGS, "most stop strings per request "
                                f"(at most {ENGINE_MAX_STOP_STRINGS})")
     max_logprobs: int = _f(ENGINE_MAX_LOGPROBS, "most top logprobs per token (at most "
@@ -92,10 +95,22 @@ class APIConfig:
                                       "beyond); at least max_body_bytes")
     max_stop_string_chars: int = _f(1024, "longest stop string in characters")
     max_stop_token_ids: int = _f(256, "most stop_token_ids per request (at most the vocab)")
+    tenant_body_bytes_per_s: int = _f(16 * 1024 * 1024, "request-body bytes a second one "
+                                      "tenant (API key) may send per API process; 429 + "
+                                      "Retry-After beyond; 0: no limit")
+    tenant_body_burst_bytes: int = _f(16 * 1024 * 1024, "request-body bytes one tenant may "
+                                      "send at once; at least max_body_bytes")
+    max_json_values: int = _f(262144, "most values (list items, object members) in one "
+                              "JSON body, refused before parsing (400 beyond)")
     num_tokenizer_threads: int = _f(2, "threads per API process that tokenize and render "
                                     "chat templates off its event loop")
     allow_special_tokens_in_content: bool = _f(False, "chat content may write special "
                                                "tokens ('<|im_start|>'); false: plain text")
+    max_grammar_chars: int = _f(65536, "longest grammar a request may constrain its output "
+                                "with (a JSON schema's text, a regex, choices, EBNF), "
+                                f"at most {ENGINE_MAX_GRAMMAR_CHARS}")
+    grammar_compile_timeout_s: float = _f(2.0, "seconds a request's grammar may take to "
+                                          "compile in the API process (400 beyond)")
 
     def __post_init__(self):
         _check(all(k and k == k.strip() and "," not in k for k in self.api_keys),
@@ -104,6 +119,7 @@ class APIConfig:
         _check(self.max_header_bytes >= 256, "api.max_header_bytes", "must be at least 256")
         _check(self.max_headers >= 8, "api.max_headers", "must be at least 8")
         _check(self.max_n >= 1, "api.max_n", "must be at least 1")
+        _check(self.max_batch_prompts >= 1, "api.max_batch_prompts", "must be at least 1")
         _check(1 <= self.max_stop_strings <= ENGINE_MAX_STOP_STRINGS, "api.max_stop_strings",
                f"must be in 1..{ENGINE_MAX_STOP_STRINGS}")
         _check(0 <= self.max_logprobs <= ENGINE_MAX_LOGPROBS, "api.max_logprobs",
@@ -118,5 +134,16 @@ class APIConfig:
                "the largest allowed body could never be read)")
         _check(self.max_stop_string_chars >= 1, "api.max_stop_string_chars", "must be >= 1")
         _check(self.max_stop_token_ids >= 0, "api.max_stop_token_ids", "must be >= 0")
+        _check(self.tenant_body_bytes_per_s >= 0, "api.tenant_body_bytes_per_s",
+               "must be >= 0")
+        _check(self.tenant_body_bytes_per_s == 0
+               or self.tenant_body_burst_bytes >= self.max_body_bytes,
+               "api.tenant_body_burst_bytes", "must be at least api.max_body_bytes (else "
+               "the largest allowed body could never be sent)")
+        _check(self.max_json_values >= 1024, "api.max_json_values", "must be at least 1024")
+        _check(1 <= self.max_grammar_chars <= ENGINE_MAX_GRAMMAR_CHARS,
+               "api.max_grammar_chars", f"must be in 1..{ENGINE_MAX_GRAMMAR_CHARS}")
+        _check(self.grammar_compile_timeout_s > 0, "api.grammar_compile_timeout_s",
+               "must be positive")
         _check(1 <= self.num_tokenizer_threads <= 64, "api.num_tokenizer_threads",
                "must be in 1..64")

@@ -1,13 +1,17 @@
 """EngineCore: validates requests, expands n > 1, and runs schedule -> execute -> update."""
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from config.lora import LoRAConfig
 from config.schema import CacheConfig, SchedulerConfig
+from config.speculative import SpeculativeConfig
+from engine_core.lora_control import LoRAControl, LoRAExecutor, LoRAStats
 from engine_core.model_facts import ModelFacts
 from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.queue_limits import QueueLimits
@@ -15,6 +19,7 @@ from engine_core.request import Request
 from engine_core.sampling_params import InvalidRequestError, SamplingParams
 from engine_core.scheduler import Scheduler
 from engine_core.scheduler_output import SchedulerOutput
+from engine_core.spec.speculator import DraftOutcome, SpecDecodeStats
 
 MAX_TENANT_CHARS = 128  # tenants are API-key names, not payloads
 MAX_REQ_ID_CHARS = 256  # ids travel in every step that names the request: keep them small
@@ -43,6 +48,8 @@ class EngineCoreStats:
     kv_cache_usage: float  # fraction of usable blocks owned by requests
     prefix_cache_queries: int  # tokens looked up, since start
     prefix_cache_hits: int  # of those, tokens found cached
+    lora: LoRAStats | None = None  # adapters of running and waiting requests (LoRA on)
+    spec_decode: SpecDecodeStats | None = None  # since start; None: speculation is off
 
 
 def _validate_tenant(tenant: object, tenant_weight: object) -> None:
@@ -66,14 +73,21 @@ class EngineCore:
     Aborts are answered on the next ``step()``: each aborted request yields one final
     EngineCoreOutput with no tokens and ``finish_reason`` ABORT, even when nothing else
     runs in that step.
+
+    With LoRA on, ``lora`` (lora_control.py) registers and resolves adapters; in one
+    process ``lora_executor`` (the worker's LoRA manager) receives its commands.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, block_size: int, max_model_len: int,
                  executor: ModelExecutor, eos_token_ids: Sequence[int] = (),
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, lora_config: LoRAConfig | None = None,
+                 lora_executor: LoRAExecutor | None = None, *,
+                 speculative_config: SpeculativeConfig | None = None):
         self.scheduler = Scheduler(scheduler_config, cache_config, num_blocks, block_size,
-                                   max_model_len)
+                                   max_model_len, lora_config, speculative_config)
+        self.lora = LoRAControl(self.scheduler.lora) if self.scheduler.lora else None
+        self.lora_executor = lora_executor
         self.queue_limits = QueueLimits.from_config(scheduler_config)
         self.executor = executor
         self.max_model_len = max_model_len
@@ -82,11 +96,16 @@ class EngineCore:
 
     @classmethod
     def from_model_facts(cls, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                         facts: ModelFacts, executor: ModelExecutor | None) -> "EngineCore":
+                         facts: ModelFacts, executor: ModelExecutor | None,
+                         lora_config: LoRAConfig | None = None,
+                         lora_executor: LoRAExecutor | None = None,
+                         speculative_config: SpeculativeConfig | None = None
+                         ) -> "EngineCore":
         """The engine core for a loaded model (``executor`` None: the caller runs each
         step's plan elsewhere, between ``begin_step`` and ``end_step``)."""
         return cls(scheduler_config, cache_config, facts.num_blocks, facts.block_size,
-                   facts.max_model_len, executor, facts.eos_token_ids, facts.vocab_size)
+                   facts.max_model_len, executor, facts.eos_token_ids, facts.vocab_size,
+                   lora_config, lora_executor, speculative_config=speculative_config)
 
     def add_request(self, req_id: str, prompt_token_ids: Sequence[int],
                     sampling_params: SamplingParams | None = None,
@@ -140,12 +159,23 @@ class EngineCore:
         params = sampling_params if sampling_params is not None else SamplingParams()
         params.validate()
         self._check_vocabulary(params.stop_token_ids, "stop_token_ids")
+        if params.logit_bias:
+            self._check_vocabulary(frozenset(params.logit_bias), "logit_bias")
         self._validate_prompt(prompt)
         _validate_tenant(tenant, tenant_weight)
         if not isinstance(lora_id, int) or isinstance(lora_id, bool) or lora_id < 0:
             raise InvalidRequestError("lora_id must be a non-negative integer", "lora_id")
+        if lora_id and self.lora is None:
+            raise InvalidRequestError("LoRA adapters are off (lora.enable_lora)", "lora_id")
+        if lora_id:
+            self.lora.registry.registered_id(lora_id)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string", "cache_salt")
+        if params.structured_outputs is not None and self.scheduler.speculator is not None:
+            # drafts would have to be checked against the grammar: not built yet
+            raise InvalidRequestError("structured outputs are not served while speculative "
+                                      "decoding is on (speculative.method)",
+                                      "structured_outputs")
         return params
 
     def _check_vocabulary(self, token_ids: frozenset[int], param: str) -> None:
@@ -210,11 +240,26 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         """Schedule one step, run it if there is anything to run, return the deltas."""
         scheduler_output = self.begin_step()
-        if self.needs_worker(scheduler_output):
+        is_busy = self.needs_worker(scheduler_output)
+        if self.lora is not None and self.lora_executor is not None:
+            # nothing to run but adapters loading: wait for one instead of spinning
+            wait_s = 1.0 if not is_busy and self.lora.is_loading else 0.0
+            self.apply_lora_effects(self.lora.exchange(self.lora_executor, wait_s))
+        if is_busy:
             runner_output = self.executor.execute_model(scheduler_output)
         else:
             runner_output = ModelRunnerOutput()
-        return self.end_step(scheduler_output, runner_output)
+        outputs = self.end_step(scheduler_output, runner_output)
+        if self.lora is not None and self.lora_executor is not None:
+            self.apply_lora_effects(self.lora.exchange(self.lora_executor))  # evictions of
+        return outputs  # adapters whose last request just ended
+
+    def apply_lora_effects(self, effects) -> list[str]:
+        """End the requests whose adapter failed to load; their ids."""
+        refused = [req_id for e in effects for req_id in e.refused_req_ids]
+        if refused:
+            self.scheduler.finish_requests(refused)
+        return refused
 
     def begin_step(self) -> SchedulerOutput:
         """First half of ``step()``, for callers that run the model elsewhere (the
@@ -250,9 +295,18 @@ class EngineCore:
     def get_stats(self) -> EngineCoreStats:
         """Current gauges and cumulative counters."""
         kv = self.scheduler.kv_cache_manager
+        spec = self.scheduler.speculator
         return EngineCoreStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             num_waiting_tokens=self.scheduler.num_waiting_tokens,
             num_preemptions=self.scheduler.num_preemptions, kv_cache_usage=kv.usage,
             prefix_cache_queries=kv.prefix_cache_stats.num_query_tokens,
-            prefix_cache_hits=kv.prefix_cache_stats.num_hit_tokens)
+            prefix_cache_hits=kv.prefix_cache_stats.num_hit_tokens,
+            lora=self.lora.stats(self.scheduler.running, list(self.scheduler.waiting))
+            if self.lora is not None else None,
+            spec_decode=copy.deepcopy(spec.stats) if spec is not None else None)
+
+    def last_draft_outcomes(self) -> dict[str, DraftOutcome]:
+        """Per request, the drafts verified in the step ``end_step`` last applied."""
+        spec = self.scheduler.speculator
+        return spec.last_outcomes if spec is not None else {}

@@ -1,14 +1,17 @@
 """Per-request block tables on top of the block pool: prefix hits, lazy growth, forks.
 
 A request's block table covers its computed tokens plus the tokens scheduled this
-step, and only grows (append-only). With ``block_size`` 4:
+step, and only grows (append-only), but for one case: blocks that held only rejected
+draft tokens (speculative decoding) are dropped off its end. With ``block_size`` 4:
 
     tokens     t0 t1 t2 t3 | t4 t5 t6 t7 | t8 t9
     blocks     [  full 0   ] [  full 1   ] [partial 2]
     hashes     h0            h1            (none until t8..t11 are all known)
 
 Blocks are registered in the prefix cache as soon as they are full of known tokens
-that are computed by the end of the current step. The runner writes every scheduled
+that are computed by the end of the current step. Draft tokens are not known tokens
+(they are not in ``all_token_ids``), so a block holding an unverified draft is never
+hashed. The runner writes every scheduled
 token's K/V of a layer before attention reads that layer, so a request admitted in
 the same step may already hit such a block.
 """
@@ -82,6 +85,8 @@ class KVCacheManager:
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request were offered to the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
+        # Blocks dropped off a table (rejected drafts) that the runner has not been told of.
+        self.num_dropped_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()  # since start
         self._interval_stats = PrefixCacheStats()  # since make_prefix_cache_stats()
 
@@ -173,6 +178,33 @@ class KVCacheManager:
                                           request.block_hashes[start:num_full_blocks])
         self.num_cached_blocks[request.req_id] = num_full_blocks
 
+    def drop_blocks_after(self, request: Request, num_tokens: int) -> int:
+        """Free the blocks of ``request`` past its first ``num_tokens`` tokens.
+
+        Speculative decoding: blocks that held only rejected drafts. They are private
+        (shared blocks hold computed prefixes) and never hashed (a hash covers known
+        tokens only), so they go back to the pool's head. The runner learns of it from
+        the next CachedRequestData (``take_dropped_blocks``). Returns how many.
+        """
+        blocks = self.req_to_blocks.get(request.req_id)
+        num_keep = cdiv(num_tokens, self.block_size)
+        if not blocks or len(blocks) <= num_keep:
+            return 0
+        dropped = blocks[num_keep:]
+        del blocks[num_keep:]
+        for block in dropped:
+            if block.ref_cnt != 1 or block.block_hash is not None:
+                raise ValueError(f"block {block.block_id} of {request.req_id} is shared or "
+                                 f"hashed: it cannot hold only rejected drafts")
+        self.block_pool.free_blocks(reversed(dropped))
+        self.num_dropped_blocks[request.req_id] = (
+            self.num_dropped_blocks.get(request.req_id, 0) + len(dropped))
+        return len(dropped)
+
+    def take_dropped_blocks(self, req_id: str) -> int:
+        """Blocks dropped off ``req_id``'s table since the last call (for the runner)."""
+        return self.num_dropped_blocks.pop(req_id, 0)
+
     def free(self, request: Request) -> None:
         """Return ``request``'s blocks to the pool, chain tail first.
 
@@ -182,6 +214,7 @@ class KVCacheManager:
         """
         blocks = self.req_to_blocks.pop(request.req_id, None)
         self.num_cached_blocks.pop(request.req_id, None)
+        self.num_dropped_blocks.pop(request.req_id, None)
         if not blocks:
             return
         for block in blocks[request.num_computed_tokens // self.block_size:]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from engine_core.structured_outputs import StructuredOutputReport
+
 
 class FinishReason(str, enum.Enum):
     """Why a request stopped (the OpenAI ``finish_reason`` strings)."""
@@ -33,17 +35,32 @@ class TokenLogprobs:
 
 
 @dataclass(slots=True)
+class PromptLogprobs:
+    """Logprobs of a run of prompt tokens, computed by one step's prefill chunk.
+
+    ``logprobs[j]`` is prompt token ``start + j`` given the tokens before it; the first
+    prompt token has none, so ``start`` is at least 1."""
+
+    start: int
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass(slots=True)
 class ModelRunnerOutput:
     """Tokens sampled in one step, for the requests whose computed tokens reached the
     end of their known tokens (a partial prefill chunk samples nothing).
 
     ``sampled_token_ids[i]`` and ``logprobs[i]`` belong to ``req_ids[i]``; each is a list
     so that a step may accept several tokens per request (speculative decoding).
+    ``structured_output``: what the grammars did (None when no grammar was involved).
     """
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[TokenLogprobs] | None] = field(default_factory=list)
+    structured_output: StructuredOutputReport | None = None
+    # req_id → its prompt tokens' logprobs computed this step (prompt_logprobs set)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -58,6 +75,8 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     parent_req_id: str | None = None  # set on the samples of an n > 1 request
     index: int = 0  # which sample of its parent this is
+    # on the first output of sample 0 when prompt_logprobs is set: prompt tokens 1.. N-1
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

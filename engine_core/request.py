@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from engine_core.outputs import FinishReason
+from engine_core.outputs import FinishReason, TokenLogprobs
 from engine_core.sampling_params import SamplingParams
 from engine_core.worker_sampling import WorkerSamplingParams
 
@@ -19,10 +19,13 @@ class RequestStatus(enum.Enum):
 
     ``WAITING_FOR_FORK`` marks samples 1..n-1 of an n > 1 request: they hold no
     blocks and sit outside the waiting queue until sample 0 has computed the prompt.
+    ``WAITING_FOR_LORA``: parked outside the waiting queue until its LoRA adapter is
+    loaded (engine_core/lora_admission.py).
     """
 
     WAITING = "waiting"
     WAITING_FOR_FORK = "waiting_for_fork"
+    WAITING_FOR_LORA = "waiting_for_lora"
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"
@@ -84,6 +87,8 @@ class Request:
     num_computed_tokens: int = field(default=0, init=False)
     num_cached_tokens: int = field(default=-1, init=False)
     num_preemptions: int = field(default=0, init=False)
+    # prompt_logprobs set: prompt tokens 1.. computed so far, sent with the first output
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list, init=False)
     # Chained hashes of the full blocks of all_token_ids, grown by block_hash.py.
     block_hashes: list[bytes] = field(default_factory=list, init=False)
     stop_reason: int | str | None = field(default=None, init=False)
@@ -128,6 +133,12 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Every prompt token must be computed here (no prefix-cache hit) and its
+        logprob kept until the first output."""
+        return self.sampling_params.prompt_logprobs is not None
 
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         """Record sampled tokens (they are then known but not yet computed)."""

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field, fields
 from config.request_bounds import ENGINE_MAX_LOGPROBS as MAX_LOGPROBS
 from config.request_bounds import ENGINE_MAX_STOP_STRINGS as MAX_STOP_STRINGS
 from config.request_bounds import ENGINE_MAX_STOP_TOKEN_IDS as MAX_STOP_TOKEN_IDS
+from engine_core.structured_outputs import StructuredOutputError, StructuredOutputsParams
+
+MAX_LOGIT_BIAS = 1024  # entries of one request's logit_bias (OpenAI allows 300)
 
 
 class InvalidRequestError(ValueError):
@@ -53,6 +56,8 @@ class SamplingParams:
 
     ``temperature == 0`` means greedy decoding. ``max_tokens=None`` means "as many as
     fit in ``max_model_len``"; the engine fills it in when the request is added.
+    ``structured_outputs`` constrains the output to a JSON schema, regex, choice or
+    grammar (engine_core/structured_outputs.py; a dict of its fields is accepted).
     Validated on construction; ``clone`` re-checks only what it changes.
     """
 
@@ -73,10 +78,16 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # number of top logprobs to return besides the sampled one
+    # per prompt token (all but the first): its logprob and this many top ones
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None  # token id → added to its logit
     priority: int = 0  # lower value is served first under the priority policy
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = _structured(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -140,7 +151,48 @@ class SamplingParams:
             if not 0 <= self.logprobs <= MAX_LOGPROBS:
                 raise InvalidRequestError(
                     f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
+        if self.prompt_logprobs is not None:
+            _int("prompt_logprobs", self.prompt_logprobs)
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise InvalidRequestError(
+                    f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                    f"{self.prompt_logprobs}", "prompt_logprobs")
         _int("priority", self.priority)
+        self._check_structured_outputs()
+        if self.logit_bias is not None:
+            self._check_logit_bias()
+
+    def _check_structured_outputs(self) -> None:
+        so = self.structured_outputs
+        if so is None:
+            return
+        if not isinstance(so, StructuredOutputsParams):
+            raise InvalidRequestError("structured_outputs must be a StructuredOutputsParams "
+                                      "or a dict of its fields", "structured_outputs")
+        # The grammar allows EOS only at its end, and min_tokens bans EOS before it: a
+        # grammar that ends early would leave no token to sample.
+        if self.min_tokens:
+            raise InvalidRequestError("min_tokens cannot be combined with structured "
+                                      "outputs", "min_tokens")
+
+    def _check_logit_bias(self) -> None:
+        """Token ids (non-negative ints) → finite biases in [-100, 100]; the vocabulary's
+        upper bound is the API's and the engine's to check (they know the model)."""
+        bias = self.logit_bias
+        if not isinstance(bias, dict):
+            raise InvalidRequestError("logit_bias must map token ids to numbers", "logit_bias")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} "
+                                      f"entries, got {len(bias)}", "logit_bias")
+        for token_id, value in bias.items():
+            _int("logit_bias", token_id)
+            if token_id < 0:
+                raise InvalidRequestError(f"logit_bias holds token id {token_id}, which is "
+                                          f"negative", "logit_bias")
+            _finite("logit_bias", value)
+            if not -100 <= value <= 100:
+                raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got "
+                                          f"{value} for token {token_id}", "logit_bias")
 
     def _check_lengths(self) -> None:
         if self.max_tokens is not None:
@@ -195,3 +247,12 @@ class SamplingParams:
 
     def to_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _structured(fields_: dict) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**fields_)
+    except TypeError as e:
+        raise InvalidRequestError(f"structured_outputs: {e}", "structured_outputs") from None
+    except StructuredOutputError as e:
+        raise InvalidRequestError(str(e), "structured_outputs") from None

@@ -4,27 +4,33 @@ One counter drives progress. Each step grants a request up to
 ``num_tokens - num_computed_tokens`` tokens under the shared token budget; prefill
 chunks, decodes, recompute after preemption and forked samples are the same case.
 ``num_computed_tokens`` advances when a step is scheduled (the runner computes
-exactly what it is told), so a sampled token only has to be appended afterwards.
+exactly what it is told), so a sampled token only has to be appended afterwards;
+with speculative decoding it steps back over drafts the runner rejected
+(engine_core/spec/speculator.py).
 """
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
 
+from config.lora import LoRAConfig
 from config.schema import CacheConfig, SchedulerConfig
+from config.speculative import SpeculativeConfig
 from engine_core.fair_queue import FairQueue
 from engine_core.fair_step import FairPlanner
 from engine_core.fork_tracker import ForkTracker
 from engine_core.kv_cache_manager import KVCacheManager
+from engine_core.lora_admission import LoRAAdmission
 from engine_core.ordered_step import OrderedPlanner
-from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput, TokenLogprobs
+from engine_core.output_deltas import append_tokens, make_delta
+from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.request import Request, RequestStatus
 from engine_core.request_limits import RequestLimits
 from engine_core.request_queue import RequestQueue
 from engine_core.sampling_params import InvalidRequestError
 from engine_core.scheduler_output import SchedulerOutput
+from engine_core.spec.speculator import speculator_for
 from engine_core.step_plan import StepPlan
-from engine_core.stop_checker import append_until_stop
 from engine_core.tenant_shares import TenantWeights
 
 
@@ -37,11 +43,15 @@ class Scheduler:
 
     A planner per policy family decides what each step grants (ordered_step.py for
     fcfs and priority, fair_step.py for fair) through the primitives below:
-    ``grant_running``, ``admit`` and ``preempt``.
+    ``grant_running``, ``admit`` and ``preempt``. With LoRA on, ``lora``
+    (lora_admission.py) parks requests until their adapter is loaded and holds each
+    step to ``max_loras`` adapters.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_blocks: int, block_size: int, max_model_len: int):
+                 num_blocks: int, block_size: int, max_model_len: int,
+                 lora_config: LoRAConfig | None = None,
+                 speculative_config: SpeculativeConfig | None = None):
         self.config = scheduler_config
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -65,6 +75,10 @@ class Scheduler:
         self.limits = RequestLimits(max_model_len, num_blocks, block_size,
                                     scheduler_config.max_num_batched_tokens,
                                     scheduler_config.enable_chunked_prefill)
+        self.lora = (LoRAAdmission(lora_config)
+                     if lora_config is not None and lora_config.enable_lora else None)
+        self.speculator = speculator_for(speculative_config, self.kv_cache_manager,
+                                         max_model_len)
         self.num_preemptions = 0
         self._children: dict[str, list[str]] = {}  # parent id -> live sample ids
         self._runner_req_ids: set[str] = set()  # requests the runner holds state for
@@ -87,14 +101,23 @@ class Scheduler:
                                              request.sampling_params.max_tokens)
         if request.sampling_params.max_tokens is None:
             request.sampling_params = request.sampling_params.clone(max_tokens=max_tokens)
+        if request.lora_id:
+            if self.lora is None:
+                raise InvalidRequestError("LoRA adapters are off (lora.enable_lora)",
+                                          "lora_id")
+            self.lora.acquire(request)
         request.arrival_seq = next(self._arrival_seq)
         self.requests[request.req_id] = request
         self.tenant_weights.add(request)
         if request.parent_req_id is not None:
             self._children.setdefault(request.parent_req_id, []).append(request.req_id)
-        if not self.forks.add(request):
+        if not self.forks.add(request) and not self._parks_for_lora(request):
             request.status = RequestStatus.WAITING
             self.waiting.add(request)
+
+    def _parks_for_lora(self, request: Request) -> bool:
+        """Park a request whose adapter is not loaded (lora_admission.py)."""
+        return bool(request.lora_id) and self.lora.park_if_unloaded(request)
 
     def is_known_id(self, req_id: str) -> bool:
         """Whether ``req_id`` names a live request or the parent of live samples."""
@@ -105,7 +128,12 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan the next step (the policy's planner decides the grants)."""
         plan = StepPlan(token_budget=self.config.max_num_batched_tokens)
+        if self.lora is not None:
+            for request in reversed(self.lora.begin_step(self.running)):
+                self.waiting.add_front(request)
         self.planner.plan_step(plan)
+        if self.speculator is not None:
+            self.speculator.grant_drafts(plan, self.running)
         return self._make_output(plan)
 
     def num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
@@ -149,9 +177,12 @@ class Scheduler:
     def admit(self, request: Request, plan: StepPlan, budget: int | None = None) -> bool:
         """Start the waiting request the queue offered, granting it at most ``budget``
         tokens (default: the plan's); False, leaving it queued, if it cannot start."""
+        if self.lora is not None and not self.lora.may_admit(request):
+            return False
         budget = plan.token_budget if budget is None else min(budget, plan.token_budget)
         kv = self.kv_cache_manager
-        is_lookup = request.num_computed_tokens == 0
+        # prompt logprobs need every prompt token's logits: no prefix-cache hits
+        is_lookup = request.num_computed_tokens == 0 and not request.wants_prompt_logprobs
         hits, num_hit = kv.get_computed_blocks(request, record_stats=False) if is_lookup \
             else (None, 0)
         num_computed = request.num_computed_tokens + num_hit
@@ -174,13 +205,15 @@ class Scheduler:
         request.num_computed_tokens = num_computed
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        if self.lora is not None:
+            self.lora.on_admit(request)
         plan.schedule_new(request, num_new)
         return True
 
     def _make_output(self, plan: StepPlan) -> SchedulerOutput:
         kv = self.kv_cache_manager
         out = plan.build(kv.get_block_ids, self._finished_req_ids,
-                         self.forks.take_block_copies())
+                         self.forks.take_block_copies(), kv.take_dropped_blocks)
         self._finished_req_ids = set()
         for req_id, num_tokens in out.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
@@ -199,37 +232,37 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         mro = model_runner_output
         position = {req_id: i for i, req_id in enumerate(mro.req_ids)}
+        deferred = (set(mro.structured_output.deferred_req_ids)
+                    if mro.structured_output is not None else ())
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue
+            if req_id in deferred:  # its grammar is compiling: compute the token again
+                request.num_computed_tokens -= 1
+            chunk = mro.prompt_logprobs.get(req_id)
+            if chunk is not None and request.num_output_tokens == 0:
+                # each prompt token counts once: a recompute after preemption adds
+                # only what the request does not hold yet
+                wanted = len(request.prompt_logprobs) + 1
+                if chunk.start <= wanted < chunk.start + len(chunk.logprobs):
+                    request.prompt_logprobs.extend(chunk.logprobs[wanted - chunk.start:])
+            i = position.get(req_id)
+            sampled = mro.sampled_token_ids[i] if i is not None else []
+            if req_id in scheduler_output.num_spec_tokens:
+                self.speculator.on_verified(
+                    request, scheduler_output.num_spec_tokens[req_id], len(sampled))
             # Fork before stop checks: the source may finish (and free) right now.
             self._fork_waiters(request)
-            i = position.get(req_id)
-            if i is None or not mro.sampled_token_ids[i]:
+            if not sampled:
                 continue
             logprobs = mro.logprobs[i] if i < len(mro.logprobs) else None
-            outputs.append(self._append_tokens(request, mro.sampled_token_ids[i], logprobs))
+            out, status = append_tokens(request, sampled, logprobs, self.max_model_len)
+            if status is not None:
+                self._finish(request, status)
+                out.finish_reason = request.finish_reason
+            outputs.append(out)
         return outputs
-
-    def _append_tokens(self, request: Request, token_ids: list[int],
-                       logprobs: list[TokenLogprobs] | None) -> EngineCoreOutput:
-        is_first = request.num_output_tokens == 0
-        new_ids, status = append_until_stop(request, token_ids, self.max_model_len)
-        out = self._make_delta(request, new_ids, is_first)
-        out.new_logprobs = logprobs[:len(new_ids)] if logprobs is not None else None
-        if status is not None:
-            self._finish(request, status)
-            out.finish_reason = request.finish_reason
-            out.stop_reason = request.stop_reason
-        return out
-
-    @staticmethod
-    def _make_delta(request: Request, new_ids: list[int], is_first: bool) -> EngineCoreOutput:
-        return EngineCoreOutput(
-            req_id=request.req_id, new_token_ids=new_ids,
-            num_cached_tokens=max(request.num_cached_tokens, 0) if is_first else 0,
-            parent_req_id=request.parent_req_id, index=request.index)
 
     def _fork_waiters(self, source: Request) -> None:
         for child in reversed(self.forks.fork_ready(source)):
@@ -255,7 +288,7 @@ class Scheduler:
                 request = self.requests.get(target)
                 if request is None:
                     continue
-                out = self._make_delta(request, [], request.num_output_tokens == 0)
+                out = make_delta(request, [], request.num_output_tokens == 0)
                 self._finish(request, status)
                 out.finish_reason = request.finish_reason
                 self._pending_outputs.append(out)
@@ -266,11 +299,15 @@ class Scheduler:
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(request)
         promoted = self.forks.remove(request)
-        if promoted is not None:
+        if promoted is not None and not self._parks_for_lora(promoted):
             self.waiting.add_front(promoted)
+        if request.lora_id:  # a parked request leaves the park here
+            self.lora.release(request)
         request.status = status
         request.finish_reason = status.finish_reason
         self.kv_cache_manager.free(request)
+        if self.speculator is not None:
+            self.speculator.forget(request)
         self._forget_runner_state(request)
         del self.requests[request.req_id]
         self.tenant_weights.remove(request)
@@ -293,14 +330,16 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        """Queued requests plus samples waiting to fork."""
-        return len(self.waiting) + self.forks.num_waiters
+        """Queued requests plus samples waiting to fork or for their adapter."""
+        parked = self.lora.num_parked if self.lora is not None else 0
+        return len(self.waiting) + self.forks.num_waiters + parked
 
     @property
     def num_waiting_tokens(self) -> int:
         """Tokens of the requests in the waiting queue (prompt, plus outputs of
-        preempted ones)."""
-        return self.waiting.num_tokens
+        preempted ones) and of those parked for their adapter."""
+        parked = self.lora.num_parked_tokens if self.lora is not None else 0
+        return self.waiting.num_tokens + parked
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

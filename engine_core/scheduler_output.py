@@ -33,11 +33,16 @@ class NewRequestData:
 
 @dataclass(slots=True)
 class CachedRequestData:
-    """A request the runner already holds: only the blocks appended since last step."""
+    """A request the runner already holds: only the blocks appended since last step.
+
+    ``num_dropped_blocks``: drop that many blocks off the end of the runner's table
+    first (they held only rejected draft tokens and went back to the pool).
+    """
 
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    num_dropped_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -54,6 +59,10 @@ class SchedulerOutput:
 
     ``finished_req_ids`` lists requests that finished, were aborted or were preempted
     since the previous step: the runner drops their state before this step.
+
+    A request with drafts computes its last known token plus the drafts (one k+1-token
+    chunk) and may get up to k+1 tokens back: the accepted drafts, then the model's
+    own next token.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -66,6 +75,11 @@ class SchedulerOutput:
     num_cached_tokens: dict[str, int] = field(default_factory=dict)
     # Requests preempted (KV blocks reclaimed, to be recomputed) while planning this step.
     preempted_req_ids: list[str] = field(default_factory=list)
+    # Speculative decoding: the last num_spec_tokens[r] of r's scheduled tokens are
+    # drafts to verify. spec_token_ids[r] holds them when the engine core proposed them
+    # (ngram); a request without an entry there gets them from the worker's draft model.
+    num_spec_tokens: dict[str, int] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -1,7 +1,8 @@
-"""Folio's public face: the offline ``LLM`` engine and ``SamplingParams``."""
+"""Folio's public face: the offline ``LLM`` engine, ``SamplingParams``, ``LoRARequest``."""
 from engine_core.sampling_params import SamplingParams
+from folio.lora_request import LoRARequest
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams"]
 
 
 def __getattr__(name):

@@ -9,7 +9,9 @@ from typing import Any, Iterable, Sequence
 from config.loader import config_to_dict, load_config
 from config.schema import FolioConfig
 from engine_core.sampling_params import InvalidRequestError, SamplingParams
+from folio.lora_request import LoRARequest
 from observability.logging import configure_logging, get_logger
+from text.grammar_compiler import GrammarError
 from text.output_processor import OutputProcessor
 from text.request_output import RequestOutput
 from text.tokenizer import Tokenizer
@@ -18,6 +20,7 @@ from worker.bootstrap import in_process_engine
 log = get_logger(__name__)
 
 PromptType = str | dict[str, Any] | list[int]
+LoRARequests = LoRARequest | Sequence[LoRARequest | None] | None
 
 
 class LLM:
@@ -61,14 +64,28 @@ class LLM:
         raise InvalidRequestError(
             "a prompt is a string or {'prompt_token_ids': [...]}", "prompt")
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
+    def generate(self, prompts: PromptType | Sequence[PromptType] | None = None,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequests = None,
+                 prompt_token_ids: list[int] | list[list[int]] | None = None
+                 ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
-        All prompts are validated before any is queued, so a bad one raises
-        InvalidRequestError (naming the field) and leaves the engine untouched.
+        ``prompt_token_ids`` (vLLM's keyword: one id list or a list of them) stands in
+        for ``prompts``. All prompts are validated before any is queued (grammars
+        compiled), so a bad one raises InvalidRequestError (naming the field) and leaves
+        the engine untouched. ``lora_request``: one LoRA adapter for every prompt, or one
+        (or None) per prompt (needs ``enable_lora``; folio/lora_request.py).
         """
+        if prompt_token_ids is not None:
+            if prompts is not None:
+                raise ValueError("pass prompts or prompt_token_ids, not both")
+            batch = (prompt_token_ids if prompt_token_ids and isinstance(
+                prompt_token_ids[0], list) else [prompt_token_ids])
+            prompts = [{"prompt_token_ids": ids} for ids in batch]
+        if prompts is None:
+            raise ValueError("generate() needs prompts or prompt_token_ids")
         if isinstance(prompts, (str, dict)) or (
                 isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -79,20 +96,57 @@ class LLM:
                   else list(sampling_params))
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        lora_ids = self._lora_ids(lora_request, len(prompts))
         tokenized = [self._tokenize(p) for p in prompts]
-        for (_, ids), p in zip(tokenized, params):
-            self.engine.validate_request(ids, p)
+        for (_, ids), p, lora_id in zip(tokenized, params, lora_ids):
+            self.engine.validate_request(ids, p, lora_id=lora_id)
+            self._check_grammar(p)
         req_ids = []
-        for (text, ids), p in zip(tokenized, params):
+        for (text, ids), p, lora_id in zip(tokenized, params, lora_ids):
             req_id = f"offline-{next(self._ids)}"
-            child_ids = self.engine.add_request(req_id, ids, p)
+            child_ids = self.engine.add_request(req_id, ids, p, lora_id=lora_id)
             self.processor.add_request(req_id, text, ids, p, child_ids)
             req_ids.append(req_id)
         return self._run(req_ids, use_tqdm)
 
+    def _lora_ids(self, lora_request: LoRARequests, num_prompts: int) -> list[int]:
+        """Each prompt's adapter id, registering adapters met for the first time."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * num_prompts
+        if len(lora_request) != num_prompts:
+            raise ValueError(f"got {len(lora_request)} LoRA requests for {num_prompts} "
+                             f"prompts")
+        return [self._register_lora(r) if r is not None else 0 for r in lora_request]
+
+    def _register_lora(self, request: LoRARequest) -> int:
+        if self.engine.lora is None or self.runner.lora is None:
+            raise InvalidRequestError("LoRA adapters are off: pass enable_lora=True",
+                                      "lora_request")
+        known = self.engine.lora.registry.by_name.get(request.lora_name)
+        if known is not None and (known.lora_id, known.path) == (request.lora_int_id,
+                                                                  request.lora_path):
+            return known.lora_id
+        try:
+            self.runner.lora.read(request.lora_path)  # refused here, never mid-run
+        except ValueError as e:
+            raise InvalidRequestError(f"adapter {request.lora_name!r}: {e}",
+                                      "lora_request") from None
+        return self.engine.lora.register(request.lora_name, request.lora_path,
+                                         request.lora_int_id).lora_id
+    def _check_grammar(self, params: SamplingParams) -> None:
+        """Compile a request's grammar before it is queued (kept in the runner's cache):
+        InvalidRequestError naming ``structured_outputs`` if it does not compile."""
+        if params.structured_outputs is None:
+            return
+        try:
+            self.runner.structured_output.validate(params.structured_outputs.spec)
+        except GrammarError as e:
+            raise InvalidRequestError(str(e), "structured_outputs") from None
+
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, use_tqdm: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, use_tqdm: bool = True,
+             lora_request: LoRARequests = None) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them via the chat template.
 
         As over HTTP, special-token text inside message content stays plain text unless
@@ -101,7 +155,8 @@ class LLM:
         split = not self.config.api.allow_special_tokens_in_content
         prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(self.tokenizer.render_chat(
             conv, add_generation_prompt, split_content=split))} for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def _run(self, req_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}

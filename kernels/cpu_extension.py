@@ -1,10 +1,11 @@
 """The native CPU kernels, compiled at first use into one extension.
 
 ``csrc/*.cpp`` (decode paged attention, 16-bit linear layers, fused RMSNorm, linear layers
-on block-quantized weights) are built with ``torch.utils.cpp_extension.load`` the first
-time :func:`ensure` (or a wrapper's ``is_available``) runs, then loaded from the build
-folder on later starts (a warm load takes well under a second; a cold build a minute or
-so). Each source registers its operators under ``torch.ops.folio``.
+on block-quantized weights, LoRA for decode-sized steps) are built with
+``torch.utils.cpp_extension.load`` the first time :func:`ensure` (or a wrapper's
+``is_available``) runs, then loaded from the build folder on later starts (a warm load
+takes well under a second; a cold build a minute or so). Each source registers its
+operators under ``torch.ops.folio``.
 
 Build folder: ``$FOLIO_CACHE_DIR/torch_extensions/<name>`` when ``FOLIO_CACHE_DIR`` is
 set to a directory, else torch's default (``$TORCH_EXTENSIONS_DIR`` or
@@ -49,7 +50,7 @@ log = get_logger(__name__)
 DISABLE_ENV = "FOLIO_DISABLE_CPU_KERNELS"
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention_decode.cpp", _CSRC / "half_linear.cpp",
-            _CSRC / "rms_norm.cpp", _CSRC / "quant_linear.cpp"]
+            _CSRC / "rms_norm.cpp", _CSRC / "quant_linear.cpp", _CSRC / "lora_decode.cpp"]
 # torch only tracks `sources`: headers are hashed into the name
 _HEADERS = [_CSRC / "cpu_vec.h", _CSRC / "quant_pack.h", _CSRC / "quant_tiles.h"]
 # -fopenmp: at::parallel_for's OpenMP backend is inline in the torch headers, and

@@ -38,7 +38,10 @@ def configure_logging(level: str = "info", fmt: str = "console") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # one write() per line (print() writes the line, then its newline): every
+        # service of a stack shares one stderr, and a line must never be split by
+        # another thread's or process's write (JSON logs are read line by line)
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(level=_LEVELS[level], stream=sys.stderr, format="%(message)s")

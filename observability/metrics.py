@@ -4,7 +4,8 @@ API processes each scrape still sees one consistent, engine-wide set of numbers.
 
 Names follow what vLLM operators chart, under the ``folio:`` prefix. Request latencies
 are measured from the moment the API process accepted the request (its wall clock
-travels in AddRequest); a request is one sample (``n > 1`` counts each sample).
+travels in AddRequest); a request is one sample (``n > 1`` counts each sample). With
+speculative decoding on, vLLM's ``spec_decode_*`` counters are served too.
 """
 from __future__ import annotations
 
@@ -16,11 +17,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from engine_core.engine import EngineCoreStats
 from engine_core.outputs import EngineCoreOutput
 from engine_core.scheduler_output import SchedulerOutput
+from observability.lora_metrics import LoRAMetrics
+from engine_core.spec.speculator import SpecDecodeStats
+from engine_core.structured_outputs import StructuredOutputReport
 
 PREFIX = "folio:"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
+_COMPILE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                    2.5, 5.0, 10.0)
 
 
 @dataclass(slots=True)
@@ -35,23 +41,31 @@ class _RequestClock:
 
 
 class EngineMetrics:
-    """Every engine-side metric; ``render()`` gives the Prometheus text."""
+    """Every engine-side metric; ``render()`` gives the Prometheus text.
 
-    def __init__(self, model_name: str):
+    ``max_loras`` (LoRA on) adds vLLM's ``lora_requests_info`` and the adapter counts
+    (lora_metrics.py); ``num_spec_positions`` is speculative decoding's k (0: off, no
+    spec_decode metrics); ``prefix`` is ``observability.metrics_prefix`` ("vllm" for
+    vLLM's dashboards).
+    """
+
+    def __init__(self, model_name: str, *, max_loras: int | None = None,
+                 num_spec_positions: int = 0, prefix: str = PREFIX.rstrip(":")):
         self.registry = CollectorRegistry()
+        name_prefix = prefix + ":"  # observability.metrics_prefix: "vllm" for vLLM's dashboards
         labels = {"model_name": model_name}
         self._labels = labels
         r = self.registry
         names = ["model_name"]
 
         def gauge(name, doc):
-            return Gauge(PREFIX + name, doc, names, registry=r).labels(**labels)
+            return Gauge(name_prefix + name, doc, names, registry=r).labels(**labels)
 
         def counter(name, doc):
-            return Counter(PREFIX + name, doc, names, registry=r).labels(**labels)
+            return Counter(name_prefix + name, doc, names, registry=r).labels(**labels)
 
         def histogram(name, doc, buckets):
-            return Histogram(PREFIX + name, doc, names, buckets=buckets,
+            return Histogram(name_prefix + name, doc, names, buckets=buckets,
                              registry=r).labels(**labels)
 
         self.num_requests_running = gauge("num_requests_running", "Requests in the batch")
@@ -64,7 +78,7 @@ class EngineMetrics:
         self.num_preemptions = counter("num_preemptions", "Preemptions (by recompute)")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
-        self._success = Counter(PREFIX + "request_success", "Finished requests by reason",
+        self._success = Counter(name_prefix + "request_success", "Finished requests by reason",
                                 names + ["finished_reason"], registry=r)
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token",
                               _LATENCY_BUCKETS)
@@ -83,9 +97,21 @@ class EngineMetrics:
                                         _TOKEN_BUCKETS)
         self.iteration_tokens = histogram("iteration_tokens_total", "Tokens per engine step",
                                           _TOKEN_BUCKETS)
+        self.lora = (LoRAMetrics(r, max_loras, name_prefix) if max_loras is not None
+                     else None)
+        self.grammar_compile = histogram(
+            "structured_output_compile_seconds", "Grammar compiles in the worker (cache "
+            "misses), each off the step loop", _COMPILE_BUCKETS)
+        self.grammar_cache_hits = counter(
+            "structured_output_cache_hits", "Constrained samples whose grammar was compiled "
+            "already")
+        self.grammar_deferrals = counter(
+            "structured_output_deferrals", "Steps a constrained sample waited for its grammar")
         self._clocks: dict[str, _RequestClock] = {}
         self._last_queries = 0
         self._last_hits = 0
+        self.spec = _SpecDecodeMetrics(r, labels, num_spec_positions, name_prefix) \
+            if num_spec_positions else None
 
     def on_add(self, req_id: str, arrival_time: float, num_prompt_tokens: int) -> None:
         self._clocks[req_id] = _RequestClock(arrival_time, num_prompt_tokens, time.time())
@@ -112,6 +138,19 @@ class EngineMetrics:
         self.prefix_cache_queries.inc(stats.prefix_cache_queries - self._last_queries)
         self.prefix_cache_hits.inc(stats.prefix_cache_hits - self._last_hits)
         self._last_queries, self._last_hits = stats.prefix_cache_queries, stats.prefix_cache_hits
+        if self.lora is not None and stats.lora is not None:
+            self.lora.update(stats.lora)
+        if self.spec is not None and stats.spec_decode is not None:
+            self.spec.update(stats.spec_decode)
+
+    def on_structured_output(self, report: StructuredOutputReport | None) -> None:
+        """Account what the worker's grammars did in one step."""
+        if report is None:
+            return
+        for seconds in report.compile_seconds:
+            self.grammar_compile.observe(seconds)
+        self.grammar_cache_hits.inc(report.num_cache_hits)
+        self.grammar_deferrals.inc(len(report.deferred_req_ids))
 
     def _on_output(self, out: EngineCoreOutput, now: float) -> None:
         clock = self._clocks.get(out.req_id)
@@ -140,3 +179,37 @@ class EngineMetrics:
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()
+
+
+class _SpecDecodeMetrics:
+    """vLLM's speculative-decoding counters, moved by the deltas of the engine's
+    cumulative SpecDecodeStats."""
+
+    def __init__(self, registry: CollectorRegistry, labels: dict, num_positions: int,
+                 prefix: str = PREFIX):
+        names = list(labels)
+
+        def counter(name, doc):
+            return Counter(prefix + name, doc, names, registry=registry).labels(**labels)
+
+        self.num_drafts = counter("spec_decode_num_drafts",
+                                  "Requests' draft runs verified (one per request per step)")
+        self.num_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
+        self.num_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                           "Draft tokens accepted")
+        per_pos = Counter(prefix + "spec_decode_num_accepted_tokens_per_pos",
+                          "Draft tokens accepted at each position of a draft run",
+                          names + ["position"], registry=registry)
+        self.per_pos = [per_pos.labels(position=str(i), **labels)
+                        for i in range(num_positions)]
+        self._last = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * num_positions)
+
+    def update(self, stats: SpecDecodeStats) -> None:
+        last = self._last
+        self.num_drafts.inc(stats.num_drafts - last.num_drafts)
+        self.num_draft_tokens.inc(stats.num_draft_tokens - last.num_draft_tokens)
+        self.num_accepted_tokens.inc(stats.num_accepted_tokens - last.num_accepted_tokens)
+        for counter, now, before in zip(self.per_pos, stats.num_accepted_tokens_per_pos,
+                                        last.num_accepted_tokens_per_pos):
+            counter.inc(now - before)
+        self._last = stats

@@ -9,22 +9,19 @@ pickle hands code execution to whoever can write to it.
 """
 from __future__ import annotations
 
-import dataclasses
-import enum
-import types
-import typing
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import Any
 
 import msgpack
 
+from engine_core.lora_registry import LoRALoad, LoRALoadResult
 from engine_core.model_facts import ModelFacts
 from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler_output import NewRequestData, SchedulerOutput
+from services.wire_codec import ProtocolError, dataclass_from_plain, to_plain  # noqa: F401 (ProtocolError: re-exported)
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 8
 
 # The health snapshot's contract between the engine core (publisher) and every API
 # process (reader): pushed at most every PUBLISH interval when it changed and at least
@@ -32,10 +29,6 @@ PROTOCOL_VERSION = 5
 HEALTH_PUBLISH_INTERVAL_S = 0.1
 HEALTH_HEARTBEAT_S = 0.5
 HEALTH_MAX_AGE_S = 3.0
-
-
-class ProtocolError(ValueError):
-    """A frame that is not a valid message of this protocol version."""
 
 
 @dataclass(slots=True)
@@ -48,7 +41,7 @@ class AddRequest:
     client_id: str
     arrival_time: float
     cache_salt: str | None = None
-    lora_id: int = 0
+    lora_name: str | None = None  # the LoRA adapter the client named; the engine resolves it
     traceparent: str | None = None
     tenant: str | None = None  # the API key's tenant id (scheduler.policy fair)
     tenant_weight: float = 1.0
@@ -164,6 +157,67 @@ class Metrics:
 
 
 @dataclass(slots=True)
+class LoRAAdapterInfo:
+    """One served adapter, as /v1/models lists it."""
+
+    name: str
+    lora_id: int
+
+
+@dataclass(slots=True)
+class LoadLoRAAdapter:
+    """API → engine core: serve the adapter in ``lora_path`` (already confined to
+    lora.allowed_paths) as ``lora_name``; answered by LoRAReply once the worker checked it."""
+
+    request_id: str
+    lora_name: str
+    lora_path: str
+
+
+@dataclass(slots=True)
+class UnloadLoRAAdapter:
+    """API → engine core: stop serving ``lora_name`` (requests using it finish)."""
+
+    request_id: str
+    lora_name: str
+
+
+@dataclass(slots=True)
+class ListLoRAAdapters:
+    """API → engine core: which adapters are served now (for /v1/models)."""
+
+    request_id: str
+
+
+@dataclass(slots=True)
+class LoRAReply:
+    """Engine core → API: the answer to a LoRA request with the same ``request_id``;
+    ``code`` "not_found" or "bad_adapter" when it failed (``message`` says why)."""
+
+    request_id: str
+    ok: bool
+    message: str = ""
+    code: str | None = None
+    adapters: list[LoRAAdapterInfo] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ApplyLoRACommands:
+    """Engine core → worker: evict these adapters, then start these loads (each load
+    is answered by a LoRALoadFinished when it is done, off the step loop)."""
+
+    evictions: list[int] = field(default_factory=list)
+    loads: list[LoRALoad] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class LoRALoadFinished:
+    """Worker → engine core: one load finished or failed."""
+
+    result: LoRALoadResult
+
+
+@dataclass(slots=True)
 class Shutdown:
     """Ask the peer to drain and exit."""
 
@@ -173,90 +227,8 @@ class Shutdown:
 MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
     AddRequest, AbortRequest, OutputDelta, RequestRejected, QueueState, ExecuteStep,
     StageNewRequests, StepResult, WorkerReady, Health, HealthSnapshot, GetMetrics, Metrics,
-    Shutdown)}
-# Items msgpack builds itself: a list of only these converts in one C pass, not a
-# Python call per element (a step's token ids, a request's stop token ids).
-_PLAIN_SCALARS = frozenset({int, float, str, bool, bytes, type(None)})
-
-
-def _to_plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value):
-        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, (list, tuple, set, frozenset)):
-        if set(map(type, value)) <= _PLAIN_SCALARS:
-            return value if type(value) is list else list(value)
-        return [_to_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _to_plain(v) for k, v in value.items()}
-    return value
-
-
-@lru_cache(maxsize=None)
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _from_plain(value: Any, tp: Any, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _from_plain(value, arg, where)
-            except ProtocolError:
-                pass
-        raise ProtocolError(f"{where}: {value!r} matches none of {tp}")
-    if origin in (list, set, frozenset, tuple):  # tuple[X, ...]: args[0] is X
-        if not isinstance(value, list):
-            raise ProtocolError(f"{where}: expected a list")
-        if args[0] in (int, str) and set(map(type, value)) <= {args[0]}:
-            items = value  # checked in one C pass (a bool is not an int)
-        else:
-            items = [_from_plain(v, args[0], f"{where}[]") for v in value]
-        return items if origin is list else origin(items)
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{where}: expected a map")
-        return {_from_plain(k, args[0], where): _from_plain(v, args[1], f"{where}.{k}")
-                for k, v in value.items()}
-    if dataclasses.is_dataclass(tp):
-        return _dataclass_from_plain(value, tp, where)
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        try:
-            return tp(value)
-        except ValueError:
-            raise ProtocolError(f"{where}: {value!r} is not a {tp.__name__}") from None
-    return _scalar(value, tp, where)
-
-
-def _scalar(value: Any, tp: type, where: str) -> Any:
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
-        raise ProtocolError(f"{where}: expected {tp.__name__}, got {type(value).__name__}")
-    return value
-
-
-def _dataclass_from_plain(value: Any, cls: type, where: str) -> Any:
-    if not isinstance(value, dict):
-        raise ProtocolError(f"{where}: expected a map for {cls.__name__}")
-    hints = _hints(cls)
-    unknown = set(value) - set(hints)
-    if unknown:
-        raise ProtocolError(f"{where}: unknown fields {sorted(unknown)} for {cls.__name__}")
-    kwargs = {name: _from_plain(v, hints[name], f"{where}.{name}") for name, v in value.items()}
-    try:
-        return cls(**kwargs)
-    except (TypeError, ValueError) as e:  # missing fields, or SamplingParams validation
-        raise ProtocolError(f"{where}: {e}") from None
+    LoadLoRAAdapter, UnloadLoRAAdapter, ListLoRAAdapters, LoRAReply, ApplyLoRACommands,
+    LoRALoadFinished, Shutdown)}
 
 
 def encode(message: Any) -> bytes:
@@ -264,13 +236,13 @@ def encode(message: Any) -> bytes:
     name = type(message).__name__
     if MESSAGE_TYPES.get(name) is not type(message):
         raise TypeError(f"not a protocol message: {type(message)!r}")
-    return msgpack.packb({"v": PROTOCOL_VERSION, "type": name, "body": _to_plain(message)},
+    return msgpack.packb({"v": PROTOCOL_VERSION, "type": name, "body": to_plain(message)},
                          use_bin_type=True)
 
 
 def encoded_size(value: Any) -> int:
     """Bytes ``value`` (a message or a dataclass inside one) takes inside a frame."""
-    return len(msgpack.packb(_to_plain(value), use_bin_type=True))
+    return len(msgpack.packb(to_plain(value), use_bin_type=True))
 
 
 def decode(frame: bytes) -> Any:
@@ -286,4 +258,4 @@ def decode(frame: bytes) -> Any:
     cls = MESSAGE_TYPES.get(data["type"]) if isinstance(data["type"], str) else None
     if cls is None:
         raise ProtocolError(f"unknown message type {data['type']!r}")
-    return _dataclass_from_plain(data["body"], cls, cls.__name__)
+    return dataclass_from_plain(data["body"], cls, cls.__name__)

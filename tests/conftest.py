@@ -45,6 +45,18 @@ def tiny_qwen2_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_draft_dir(tiny_llama_dir, default_model_path, tmp_path_factory):
+    """The tiny Llama as a speculative-decoding draft of itself: a copy that ships the
+    default model's tokenizer.json (a draft must come with the model's tokenizer)."""
+    import shutil
+    from text.tokenizer import Tokenizer
+    folder = tmp_path_factory.mktemp("tiny_llama_draft")
+    shutil.copytree(tiny_llama_dir, folder, dirs_exist_ok=True)
+    Tokenizer.from_model_path(default_model_path).backend.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.fixture(scope="session")
 def default_model_path():
     from model_files.paths import resolve_model_path
     return resolve_model_path("default")
@@ -70,3 +82,27 @@ def smollm_tokenizer():
     """The default model's tokenizer, rebuilt by Folio from the GGUF."""
     from text.tokenizer import Tokenizer
     return Tokenizer.from_model_path("default")
+
+
+# Three PEFT LoRA adapters of the tiny Llama (tests/lora_adapters.py): ranks, alphas,
+# target sets and rsLoRA differ, so each one exercises another part of the slots.
+TINY_ADAPTERS = {
+    "qv8": dict(rank=8, alpha=16, targets=("q_proj", "v_proj"), seed=1, scale=4.0),
+    "all16": dict(rank=16, alpha=8, targets=("q_proj", "k_proj", "v_proj", "o_proj",
+                                              "gate_proj", "up_proj", "down_proj"),
+                  use_rslora=True, seed=2),
+    "mlp4": dict(rank=4, alpha=8, targets=("o_proj", "gate_proj", "up_proj", "down_proj"),
+                 seed=3, scale=4.0),
+    "qkvo8": dict(rank=8, alpha=8, targets=("q_proj", "k_proj", "v_proj", "o_proj"),
+                  seed=4, scale=4.0),
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_adapters(tiny_llama_dir, tmp_path_factory):
+    """name → folder of each TINY_ADAPTERS adapter, saved by peft's save_pretrained."""
+    from tests.lora_adapters import AdapterSpec, load_base, make_adapter
+    base = load_base(tiny_llama_dir)
+    root = tmp_path_factory.mktemp("tiny_lora")
+    return {name: make_adapter(base, root / name, AdapterSpec(**spec))
+            for name, spec in TINY_ADAPTERS.items()}

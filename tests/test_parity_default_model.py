@@ -3,8 +3,9 @@
 transformers loads the same GGUF through its own dequantisation; so does Folio here
 (``quantization: none``): greedy 32-token continuations must match token for token, and
 prefill logits must agree to within LOGIT_ATOL (float32 sums in a different order
-differ by ~1e-4 at most). Served as shipped (``auto``), the Q4_1 blocks stay quantized
-and activations are quantized per block to int8: that model's own check is below.
+differ by ~1e-4 at most). The same holds with LoRA adapters against peft's PeftModel
+over that model. Served as shipped (``auto``), the Q4_1 blocks stay quantized and
+activations are quantized per block to int8: that model's own check is below.
 """
 import pytest
 import torch
@@ -36,7 +37,8 @@ TEXTS = [
 def llm(default_model_path):
     from folio import LLM
     return LLM(model=str(default_model_path), dtype="float32", max_model_len=1024,
-               num_blocks=512, quantization="none", **{"observability.log_level": "warning"})
+               num_blocks=512, quantization="none", enable_lora=True, max_loras=2,
+               **{"observability.log_level": "warning"})
 
 
 @pytest.fixture(scope="module")
@@ -47,18 +49,20 @@ def hf_model(default_model_path):
         dtype=torch.float32).eval()
 
 
-def prefill_logits(runner, token_ids):
+def prefill_logits(runner, token_ids, lora_id=0):
     """All-position logits from our model, through the paged path, on a scratch cache
-    (on the runner's device with its attention backend: Triton on a GPU)."""
+    (on the runner's device with its attention backend: Triton on a GPU); ``lora_id``:
+    an adapter the runner has loaded."""
     spec = KVCacheSpec.for_model(runner.arch, 16, torch.float32)
     num_blocks = -(-len(token_ids) // 16)
     caches = allocate_kv_cache(spec, num_blocks + 1, runner.device)
     state = CachedRequestState("p", list(token_ids), len(token_ids), WorkerSamplingParams(),
-                               list(range(1, num_blocks + 1)), 0, None)
+                               list(range(1, num_blocks + 1)), 0, None, lora_id)
     batch = build_input_batch([state], [len(token_ids)], 16, runner.arch.sliding_window,
                               runner.attention_backend)
+    lora = runner.lora.prepare_step(batch.lora_ids, batch.query_start_loc) if lora_id else None
     with torch.inference_mode():
-        hidden = runner.model(batch.input_ids, batch.positions, caches, batch.attn)
+        hidden = runner.model(batch.input_ids, batch.positions, caches, batch.attn, lora)
         return runner.model.compute_logits(hidden).cpu()
 
 
@@ -118,3 +122,47 @@ def test_quantized_weights_track_the_dequantised_model(quantized_llm, llm):
         total += len(ids)
     assert agree / total >= 0.9
 
+# An adapter built by peft on the default model: all seven projections at rank 16 with
+# rsLoRA (B scaled down so the model still writes text). tests/test_lora_llm.py covers
+# more ranks and target sets on the tiny model.
+DEFAULT_MODEL_ADAPTERS = {
+    "all16": dict(rank=16, alpha=16, use_rslora=True, seed=12, scale=0.2, targets=(
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")),
+}
+
+
+@pytest.mark.parametrize("lora_id,name", enumerate(DEFAULT_MODEL_ADAPTERS, start=1))
+def test_lora_greedy_tokens_and_logits_match_peft(llm, hf_model, tmp_path, lora_id, name):
+    from peft import LoraConfig, get_peft_model
+
+    from folio import LoRARequest
+    spec = DEFAULT_MODEL_ADAPTERS[name]
+    torch.manual_seed(spec["seed"])
+    config = LoraConfig(r=spec["rank"], lora_alpha=spec["alpha"], init_lora_weights=False,
+                        target_modules=list(spec["targets"]),
+                        use_rslora=spec.get("use_rslora", False))
+    wrapped = get_peft_model(hf_model, config)  # in place: unloaded again below
+    try:
+        with torch.no_grad():
+            for param_name, p in wrapped.named_parameters():
+                if "lora_B" in param_name:
+                    p.mul_(spec["scale"])
+        wrapped.save_pretrained(tmp_path)
+        ids = [llm.get_tokenizer().encode(t) for t in TEXTS]
+        ours = llm.generate([{"prompt_token_ids": i} for i in ids],
+                            SamplingParams(temperature=0.0, max_tokens=32, min_tokens=32),
+                            use_tqdm=False, lora_request=LoRARequest(name, lora_id,
+                                                                     str(tmp_path)))
+        width = max(map(len, ids))  # one left-padded batch: 32 steps, not 8 x 32
+        batch = torch.tensor([[0] * (width - len(i)) + i for i in ids])
+        mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
+        with torch.inference_mode():
+            ref = wrapped.generate(batch, attention_mask=mask, max_new_tokens=32,
+                                   min_new_tokens=32, do_sample=False, pad_token_id=0)
+            assert [o.outputs[0].token_ids for o in ours] == ref[:, width:].tolist()
+            for prompt in ids[::3]:
+                ref = wrapped(torch.tensor([prompt])).logits[0].float()
+                ours_logits = prefill_logits(llm.runner, prompt, lora_id)
+                assert (ours_logits - ref).abs().max().item() < LOGIT_ATOL
+    finally:
+        wrapped.unload()  # the shared hf_model is the plain base model again

@@ -103,6 +103,34 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
     return checked
 
 
+def inline_tool_calls(messages: list[Any]) -> list[Any]:
+    """Assistant messages whose ``tool_calls`` a template would drop, with the calls
+    written as their content: the JSON array ``[{"name", "arguments"}]`` that a
+    "required" tool choice makes the model produce, so the model sees its own calls.
+    Only messages without content change; anything malformed is left to validation."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if isinstance(calls, list) and calls and not message.get("content"):
+            message = {**message, "content": json.dumps([_call_json(c) for c in calls],
+                                                        ensure_ascii=False)}
+        out.append(message)
+    return out
+
+
+def _call_json(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return call
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            pass
+    return {"name": function.get("name"), "arguments": arguments}
+
+
 class ChatTemplate:
     """One compiled chat template; :meth:`render` turns a conversation into prompt text."""
 

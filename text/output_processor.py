@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from engine_core.outputs import EngineCoreOutput
 from engine_core.sampling_params import SamplingParams
+from text.logprob import prompt_logprobs
 from text.request_output import RequestOutput
 from text.request_state import RequestState
 from text.tokenizer import Tokenizer
@@ -52,7 +53,11 @@ class OutputProcessor:
                 step.to_abort.append(out.req_id)
             if state.finished:
                 self._forget(state)
-                step.finished.append(state.output)
+                output = state.output
+                if output.prompt_token_logprobs is not None:  # vLLM's shape offline
+                    output.prompt_logprobs = prompt_logprobs(output.prompt_token_logprobs,
+                                                             self.tokenizer)
+                step.finished.append(output)
         return step
 
     def abort(self, req_id: str) -> RequestOutput | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine_core.outputs import TokenLogprobs
+from text.logprob import Logprob
 
 
 @dataclass(slots=True)
@@ -33,3 +34,7 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    # prompt_logprobs set: vLLM's shape (None, then {token_id: Logprob} per prompt token)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # the same as the engine sent them: prompt tokens 1.. (what the API renders)
+    prompt_token_logprobs: list[TokenLogprobs] | None = None

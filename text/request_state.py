@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from engine_core.outputs import EngineCoreOutput, TokenLogprobs
 from engine_core.sampling_params import SamplingParams
-from text.detokenizer import IncrementalDetokenizer
+from text.detokenizer import DetokenizedDelta, IncrementalDetokenizer
 from text.request_output import CompletionOutput, RequestOutput
 from text.tokenizer import Tokenizer
 
@@ -90,12 +90,14 @@ class RequestState:
             # sample 0 computed the prompt; later samples fork from it, so their
             # "cached" prefix is a sibling's, not the prefix cache's
             self.output.num_cached_tokens = out.num_cached_tokens
-        c.token_ids.extend(out.new_token_ids)
-        logprobs = list(out.new_logprobs or []) if self.want_logprobs else []
+        if out.prompt_logprobs is not None and self.output.prompt_token_logprobs is None:
+            self.output.prompt_token_logprobs = out.prompt_logprobs
+        released, new_ids = _detokenize(sample.detokenizer, out.new_token_ids)
+        c.token_ids.extend(new_ids)
+        logprobs = list(out.new_logprobs or [])[:len(new_ids)] if self.want_logprobs else []
         if logprobs:
             c.logprobs.extend(logprobs)
             c.cumulative_logprob += sum(lp.logprob for lp in logprobs)
-        released = sample.detokenizer.update(out.new_token_ids)
         text, abort = released.text, False
         if released.is_stopped:
             c.finish_reason, c.stop_reason = "stop", released.stop_str
@@ -106,8 +108,8 @@ class RequestState:
         c.text = sample.detokenizer.output_text
         if c.finished and all(s.completion.finished for s in self._samples.values()):
             self.output.finished = True
-        return SampleDelta(c.index, text, list(out.new_token_ids), logprobs,
-                           c.finish_reason, c.stop_reason, abort)
+        return SampleDelta(c.index, text, new_ids, logprobs, c.finish_reason, c.stop_reason,
+                           abort)
 
     def abort(self) -> RequestOutput:
         """End every live sample with "abort" (client gone, error); the partial output."""
@@ -116,3 +118,19 @@ class RequestState:
                 sample.completion.finish_reason = "abort"
         self.output.finished = True
         return self.output
+
+
+def _detokenize(detokenizer: IncrementalDetokenizer, token_ids: list[int]
+                ) -> tuple[DetokenizedDelta, list[int]]:
+    """The text ``token_ids`` release and the ids kept. Several ids arrive at once when
+    drafts were accepted (speculative decoding): they go in one by one, and a stop
+    string one of them completes drops the ids after it, as if each came in its step."""
+    if len(token_ids) <= 1:
+        return detokenizer.update(token_ids), list(token_ids)
+    text = []
+    for i, token_id in enumerate(token_ids):
+        delta = detokenizer.update([token_id])
+        text.append(delta.text)
+        if delta.is_stopped:
+            return DetokenizedDelta("".join(text), True, delta.stop_str), token_ids[:i + 1]
+    return DetokenizedDelta("".join(text)), list(token_ids)

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 from tokenizers import Tokenizer as BackendTokenizer
 
 from text.chat_prompt import ChatPrompt, ChatPromptEncoder, render_chat_prompt
-from text.chat_template import ChatTemplate, ChatTemplateError
+from text.chat_template import ChatTemplate, ChatTemplateError, inline_tool_calls
 from text.gguf_tokenizer import build_gguf_tokenizer
 from text.token_span import TokenSpan, token_span
 from model_files.gguf_file import GGUFFile
@@ -107,13 +107,20 @@ class Tokenizer:
                                      eos_token=self.eos_token, **template_kwargs)
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                    split_content: bool = True) -> ChatPrompt:
+                    split_content: bool = True,
+                    tools: list[dict[str, Any]] | None = None) -> ChatPrompt:
         """Render a conversation for :meth:`encode_chat`. With ``split_content`` (the
         safe default) special-token text in message content stays plain text; without
         it the whole rendering is encoded as one string (content may write special ids).
+        ``tools`` go to templates that render them; a template that does not render
+        ``tool_calls`` sees them as the assistant message's content (as plain text).
         """
+        if self._template is not None and "tool_calls" not in self._template.source:
+            messages = inline_tool_calls(messages)
+
         def render(msgs: list[dict[str, Any]]) -> str:
-            return self.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
+            return self.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
+                                            tools=tools)
 
         if not split_content:
             return ChatPrompt(((render(messages), False),))

@@ -15,6 +15,7 @@ from engine_core.engine import EngineCore
 from engine_core.model_facts import ModelFacts
 from model_files.paths import resolve_model_path
 from text.tokenizer import Tokenizer
+from worker.draft_runner import check_draft_tokenizer
 from worker.model_runner import ModelRunner
 
 
@@ -30,11 +31,17 @@ class LoadedModel:
 def bootstrap_model(config: FolioConfig) -> LoadedModel:
     """Load the model of ``config`` and allocate its KV pool (call on the thread that
     will run the model: torch keeps one OpenMP team per calling thread)."""
-    runner = ModelRunner(config.model, config.memory, config.worker, config.scheduler)
+    runner = ModelRunner(config.model, config.memory, config.worker, config.scheduler,
+                         lora_config=config.lora, speculative_config=config.speculative)
+    if runner.lora is not None:
+        runner.lora.check_declared()  # a bad adapter in the YAML fails start-up
     num_blocks = runner.initialize_kv_cache()
     tokenizer = Tokenizer.from_model_path(config.model.tokenizer
                                           or resolve_model_path(config.model.path))
+    if config.speculative.method == "draft_model":
+        check_draft_tokenizer(tokenizer, config.speculative.draft_model)
     eos_token_ids = list(dict.fromkeys((*runner.eos_token_ids, *tokenizer.eos_token_ids)))
+    runner.structured_output.use_tokenizer(tokenizer, eos_token_ids)
     facts = ModelFacts(num_blocks=num_blocks, block_size=config.memory.block_size,
                        max_model_len=runner.max_model_len,
                        vocab_size=runner.arch.vocab_size, eos_token_ids=eos_token_ids,
@@ -47,5 +54,7 @@ def in_process_engine(config: FolioConfig) -> tuple[LoadedModel, EngineCore]:
     """The model and an EngineCore that runs it directly (no sockets): the offline path."""
     loaded = bootstrap_model(config)
     engine = EngineCore.from_model_facts(config.scheduler, config.cache, loaded.facts,
-                                         executor=loaded.runner)
+                                         executor=loaded.runner, lora_config=config.lora,
+                                         lora_executor=loaded.runner.lora,
+                                         speculative_config=config.speculative)
     return loaded, engine

@@ -9,10 +9,19 @@ is the order the paged-attention plan expects::
 
 Everything is computed on the host with numpy; for a GPU the token-level arrays travel
 in one int64 copy and the attention metadata in one int32 copy.
+
+A request verifying k drafts computes its last token and the drafts as one k+1-token
+chunk. On the CPU backends its attention runs as k+1 decode rows instead, one per
+token, each over the request's block table up to its own position (its K/V are in the
+cache before attention reads it): the decode kernel reads the blocks in place, and each
+row's attention is computed exactly as a plain decode step would compute it::
+
+    tokens     [ d0 | v0 v1 v2 | p0 p0 ]     v: last token + 2 drafts at 40, 41, 42
+    rows       [ d0 | v0 | v1 | v2 | p0 p0 ] seq_lens [17, 41, 42, 43, 2]
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -32,10 +41,17 @@ class InputBatch:
     input_ids: torch.Tensor  # [T] on the model's device
     positions: torch.Tensor  # [T] on the model's device
     attn: AttentionContext
-    logits_indices: torch.Tensor  # [S] last token of each request that samples
+    # [S + drafts]: the last token of each request that samples, and with k drafts the
+    # k+1 rows of its last token and its drafts (speculative decoding), request by request
+    logits_indices: torch.Tensor
     sampling_states: list[CachedRequestState]  # the S requests, in logits order
-    query_start_loc: list[int]
+    query_start_loc: list[int]  # of the attention rows (a request, or a verify token)
     seq_lens: list[int]
+    lora_ids: list[int]  # each request's LoRA adapter (0: none), in batch order
+    # every scheduled request in batch order; request i's tokens are
+    # request_start_loc[i:i + 2] (query_start_loc splits verify chunks into rows)
+    scheduled_states: list[CachedRequestState] = field(default_factory=list)
+    request_start_loc: list[int] = field(default_factory=list)
 
     @property
     def is_decode_only(self) -> bool:
@@ -56,8 +72,29 @@ def _token_arrays(states, counts, query_start_loc, block_size):
     slot_mapping = (block_tables[req_index, positions // block_size] * block_size
                     + positions % block_size)
     input_ids = [t for s, n in zip(states, counts)
-                 for t in s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n]]
+                 for t in s.input_token_ids(s.num_computed_tokens, n)]
     return input_ids, positions, slot_mapping, block_tables
+
+
+def _is_verify(state: CachedRequestState, num_scheduled: int) -> bool:
+    """A decode with drafts: its last known token and its k drafts, nothing else."""
+    return bool(state.spec_token_ids) and num_scheduled == len(state.spec_token_ids) + 1
+
+
+def _decode_rows(states, counts, seq_lens, block_tables):
+    """Attention rows with each verify chunk split into one decode row per token:
+    (query_start_loc, seq_lens, block_tables) of the rows."""
+    query_lens, row_lens, row_req = [], [], []
+    for r, (state, n) in enumerate(zip(states, counts)):
+        if _is_verify(state, n):
+            query_lens.extend([1] * n)
+            row_lens.extend(range(seq_lens[r] - n + 1, seq_lens[r] + 1))
+            row_req.extend([r] * n)
+        else:
+            query_lens.append(n)
+            row_lens.append(seq_lens[r])
+            row_req.append(r)
+    return [0, *np.cumsum(query_lens).tolist()], row_lens, block_tables[row_req]
 
 
 def build_input_batch(states: list[CachedRequestState], num_scheduled: list[int],
@@ -68,7 +105,13 @@ def build_input_batch(states: list[CachedRequestState], num_scheduled: list[int]
     ``backend`` None means the torch reference on the CPU.
     """
     backend = backend or AttentionBackend(TORCH, _CPU)
-    order = sorted(range(len(states)), key=lambda i: num_scheduled[i] != 1)
+    # decodes first (the attention plan wants them so; on CPU backends verify chunks
+    # count as decode rows, module doc); within each part, requests of one LoRA adapter
+    # side by side, so the LoRA kernels see few runs
+    as_decodes = not backend.is_triton
+    order = sorted(range(len(states)), key=lambda i: (not (
+        num_scheduled[i] == 1 or as_decodes and _is_verify(states[i], num_scheduled[i])),
+        states[i].lora_id))
     states = [states[i] for i in order]
     counts = [num_scheduled[i] for i in order]
     query_start_loc, seq_lens = [0], []
@@ -77,11 +120,16 @@ def build_input_batch(states: list[CachedRequestState], num_scheduled: list[int]
         start = state.num_computed_tokens
         query_start_loc.append(query_start_loc[-1] + n)
         seq_lens.append(start + n)
-        if start + n == len(state.token_ids):
-            logits_indices.append(query_start_loc[-1] - 1)
+        if start + n == state.num_tokens_with_spec:
+            end = query_start_loc[-1]
+            logits_indices.extend(range(end - 1 - len(state.spec_token_ids), end))
             sampling_states.append(state)
     input_ids, positions, slot_mapping, block_tables = _token_arrays(
         states, counts, query_start_loc, block_size)
+    request_start_loc = query_start_loc
+    if as_decodes and any(_is_verify(s, n) for s, n in zip(states, counts)):
+        query_start_loc, seq_lens, block_tables = _decode_rows(states, counts, seq_lens,
+                                                               block_tables)
     device = backend.device
     if backend.is_triton:
         plan = make_ragged_plan(query_start_loc, seq_lens, block_tables, device,
@@ -102,4 +150,6 @@ def build_input_batch(states: list[CachedRequestState], num_scheduled: list[int]
         input_ids=input_ids, positions=positions,
         attn=AttentionContext(slot_mapping=slot_mapping, plan=plan),
         logits_indices=logits_indices, sampling_states=sampling_states,
-        query_start_loc=query_start_loc, seq_lens=seq_lens)
+        query_start_loc=query_start_loc, seq_lens=seq_lens,
+        lora_ids=[s.lora_id for s in states], scheduled_states=states,
+        request_start_loc=request_start_loc)

@@ -6,31 +6,41 @@ from dataclasses import dataclass
 
 import torch
 
+from config.lora import LoRAConfig
 from config.schema import MemoryConfig, ModelConfig, SchedulerConfig, WorkerConfig
+from config.speculative import SpeculativeConfig
 from engine_core.outputs import ModelRunnerOutput
 from engine_core.scheduler_output import SchedulerOutput
 from observability.logging import get_logger
 from worker.attention_backend import (NATIVE_CPU, AttentionBackend, choose_attention_backend,
                                      make_attention_backend)
 from worker.device import resolve_device, resolve_dtype
+from worker.draft_runner import DraftRunner, draft_probs_rows
 from worker.input_batch import InputBatch, build_input_batch
 from worker.kv_cache import KVCacheSpec, allocate_kv_cache, copy_blocks
 from worker.linear_backend import choose_linear_backends
 from worker.loader import load_model
 from worker.quantization import load_weights, quantization_for_device, release_freed_memory
+from worker.lora.lora_manager import LoRAManager
+from worker.lora.lora_step import LoRAStep
 from worker.models.registry import build_model
+from worker.prompt_logprobs import compute_prompt_logprobs
 from worker.request_state import CachedRequestState, make_generator
 from worker.sampler import Sampler
 from worker.sampling_metadata import SamplingMetadata
+from worker.speculative_sampler import SpeculativeSampler
+from worker.structured_output import StructuredOutputManager
 
 log = get_logger(__name__)
 
 
 @dataclass(slots=True)
 class StepTiming:
-    """Where one step's time went: building the batch, the forward pass, sampling."""
+    """Where one step's time went: building the batch, the forward pass, sampling;
+    ``draft_seconds``: the draft model proposing (speculative decoding)."""
 
     prepare_seconds: float = 0.0
+    draft_seconds: float = 0.0
     forward_seconds: float = 0.0
     sample_seconds: float = 0.0
 
@@ -42,11 +52,16 @@ class ModelRunner:
     allocates the pool (on CUDA from a profiling step, then captures the decode CUDA
     graphs) and returns its number of blocks; ``execute_model()`` runs steps.
     ``scheduler_config`` gives the largest step (profiling, graph sizes); its defaults
-    are used when it is None.
+    are used when it is None. With ``lora_config.enable_lora``, ``lora`` holds the
+    adapters (worker/lora/lora_manager.py). With ``speculative_config`` on, steps verify
+    drafts (worker/speculative_sampler.py) and, for draft_model, a DraftRunner proposes
+    them.
     """
 
     def __init__(self, model_config: ModelConfig, memory_config: MemoryConfig,
-                 worker_config: WorkerConfig, scheduler_config: SchedulerConfig | None = None):
+                 worker_config: WorkerConfig, scheduler_config: SchedulerConfig | None = None,
+                 lora_config: LoRAConfig | None = None,
+                 speculative_config: SpeculativeConfig | None = None):
         self.model_config = model_config
         self.worker_config = worker_config
         self.memory_config = memory_config
@@ -78,9 +93,19 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         self.eos_token_ids = tuple(self.arch.eos_token_ids)
+        self.structured_output = StructuredOutputManager(self.arch.vocab_size,
+                                                         self.eos_token_ids)
         self.attention_backend = self._pick_attention_backend()
         self.cuda_graphs = None  # DecodeCudaGraphs once captured
         self.graph_reserve_bytes = 0  # what the KV budget left for them (profiled)
+        self.lora = (LoRAManager(lora_config, self.arch, self.dtype, self.device)
+                     if lora_config is not None and lora_config.enable_lora else None)
+        spec = self.spec_config = speculative_config or SpeculativeConfig()
+        self.spec_sampler = SpeculativeSampler(self.eos_token_ids) if spec.is_enabled else None
+        self.draft_runner = DraftRunner(
+            spec.draft_model, self.arch, self.dtype, self.device, self.attention_backend.name,
+            self.block_size, self.max_model_len, worker_config.k_major_weights,
+        ) if spec.method == "draft_model" else None
 
     def _pick_attention_backend(self) -> AttentionBackend:
         from kernels import cpu_extension, cpu_paged_attention
@@ -129,7 +154,8 @@ class ModelRunner:
         num_blocks, key = self.memory_config.num_blocks, "memory.num_blocks"
         if not num_blocks:
             budget, key = self._kv_cache_budget()
-            num_blocks = spec.num_blocks_for(budget)
+            draft = self.draft_runner.kv_spec.bytes_per_block if self.draft_runner else 0
+            num_blocks = budget // (spec.bytes_per_block + draft)
         needed = -(-self.max_model_len // self.block_size) + 1
         if num_blocks < needed:
             raise ValueError(
@@ -138,6 +164,8 @@ class ModelRunner:
                 f"needed, {spec.bytes_per_block} bytes each); raise {key} or lower "
                 f"model.max_model_len")
         self.kv_caches = allocate_kv_cache(spec, num_blocks, self.device)
+        if self.draft_runner is not None:
+            self.draft_runner.allocate_kv_cache(num_blocks)
         log.debug("kv cache allocated", num_blocks=num_blocks,
                   num_tokens=num_blocks * self.block_size,
                   bytes=num_blocks * spec.bytes_per_block, sized_by=key)
@@ -171,18 +199,35 @@ class ModelRunner:
                 num_prompt_tokens=new.num_prompt_tokens, sampling_params=p,
                 block_ids=list(new.block_ids), num_computed_tokens=new.num_computed_tokens,
                 generator=make_generator(p.seed, new.num_output_tokens, self.arch.vocab_size,
-                                         self.device))
+                                         self.device),
+                lora_id=new.lora_id)
         for cached in so.scheduled_cached_reqs:
             state = self.requests[cached.req_id]
+            if cached.num_dropped_blocks:  # they held only rejected drafts
+                del state.block_ids[-cached.num_dropped_blocks:]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
+        for req_id, draft_ids in so.spec_token_ids.items():
+            self.requests[req_id].spec_token_ids = list(draft_ids)
 
-    def forward(self, batch: InputBatch) -> torch.Tensor:
+    def _propose_drafts(self, so: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """The draft model's drafts for requests the engine core left them to; their
+        draft distributions when sampled (worker/draft_runner.py)."""
+        wanted = [r for r in so.num_spec_tokens if r not in so.spec_token_ids]
+        if not wanted or self.draft_runner is None:
+            return {}
+        t0 = time.perf_counter()
+        probs = self.draft_runner.propose([self.requests[r] for r in wanted],
+                                          [so.num_spec_tokens[r] for r in wanted])
+        self.last_timing.draft_seconds = time.perf_counter() - t0
+        return probs
+
+    def forward(self, batch: InputBatch, lora: LoRAStep | None = None) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` of one built batch: a captured CUDA graph when
-        one fits (decode-only batches), else the eager model."""
-        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
+        one fits (decode-only batches without adapters), else the eager model."""
+        if lora is None and self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
             return self.cuda_graphs.run(batch)
-        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, lora)
 
     def synchronize(self) -> None:
         """Wait for the device, so a wall-clock split of the step is honest on CUDA."""
@@ -216,12 +261,19 @@ class ModelRunner:
             return ModelRunnerOutput()
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
+        draft_probs = self._propose_drafts(so)
         batch = build_input_batch(states, [so.num_scheduled_tokens[r] for r in req_ids],
                                   self.block_size, self.arch.sliding_window,
                                   self.attention_backend)
+        lora = (self.lora.prepare_step(batch.lora_ids, batch.request_start_loc)
+                if self.lora is not None else None)
+        # constrained rows' masks fill on a thread while the forward runs
+        grammar_step = self.structured_output.begin_step(batch.sampling_states)
         t1 = time.perf_counter()
         timing.prepare_seconds = t1 - t0
-        hidden = self.forward(batch)
+        hidden = self.forward(batch, lora)
+        prompt_logprobs = (compute_prompt_logprobs(self.model, hidden, batch) if any(
+            s.sampling_params.prompt_logprobs is not None for s in states) else {})
         for state, n in zip(states, (so.num_scheduled_tokens[r] for r in req_ids)):
             state.num_computed_tokens += n
         sampling = batch.sampling_states
@@ -230,11 +282,39 @@ class ModelRunner:
         t2 = time.perf_counter()
         timing.forward_seconds = t2 - t1
         if not sampling:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(
+                structured_output=self.structured_output.take_report(None),
+                prompt_logprobs=prompt_logprobs)
+        if self.spec_sampler is not None:  # never with a grammar: the engine core refuses
+            output = self._sample_speculative(logits, sampling, draft_probs)  # those
+            output.prompt_logprobs = prompt_logprobs
+            timing.sample_seconds = time.perf_counter() - t2
+            return output
+        if grammar_step is not None:  # masks applied; rows still compiling deferred
+            logits, sampling = grammar_step.apply(logits, sampling)
         token_list, logprobs = self.sample(sampling, logits)
         for state, token in zip(sampling, token_list):
             state.token_ids.append(token)
+        if grammar_step is not None:
+            grammar_step.accept(token_list)
         timing.sample_seconds = time.perf_counter() - t2
         return ModelRunnerOutput(req_ids=[s.req_id for s in sampling],
                                  sampled_token_ids=[[t] for t in token_list],
-                                 logprobs=[[lp] if lp is not None else None for lp in logprobs])
+                                 logprobs=[[lp] if lp is not None else None for lp in logprobs],
+                                 structured_output=self.structured_output.take_report(
+                                     grammar_step),
+                                 prompt_logprobs=prompt_logprobs)
+
+    def _sample_speculative(self, logits: torch.Tensor, states: list[CachedRequestState],
+                            draft_probs: dict[str, torch.Tensor]) -> ModelRunnerOutput:
+        """Verify drafts (k+1 logits rows per request with k); each state's progress
+        steps back over its rejected drafts, as the engine core's does."""
+        num_drafts = [len(s.spec_token_ids) for s in states]
+        rows = draft_probs_rows(states, num_drafts, draft_probs, logits.shape[-1])
+        tokens, logprobs = self.spec_sampler(logits, states, rows)
+        for state, k, emitted in zip(states, num_drafts, tokens):
+            state.num_computed_tokens -= k + 1 - len(emitted)
+            if self.draft_runner is not None:
+                self.draft_runner.on_verified(state, k, len(emitted))
+        return ModelRunnerOutput(req_ids=[s.req_id for s in states],
+                                 sampled_token_ids=tokens, logprobs=logprobs)

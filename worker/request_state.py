@@ -1,11 +1,15 @@
 """What the model runner remembers about one request between steps."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine_core.worker_sampling import WorkerSamplingParams
+
+if TYPE_CHECKING:
+    from worker.structured_output.request_grammar import RequestGrammar
 
 
 @dataclass(slots=True)
@@ -14,6 +18,13 @@ class CachedRequestState:
 
     The runner appends the tokens it samples itself, so the engine core never sends
     them back; ``num_computed_tokens`` counts the tokens whose K/V are in the cache.
+
+    Speculative decoding: ``spec_token_ids`` are this step's drafts, computed after
+    ``token_ids`` but not part of them until accepted; ``noise_rows`` are sampling noise
+    rows a seeded request drew for positions it has not reached yet (its generator's
+    stream stays one row per output token); ``num_draft_computed`` counts the tokens
+    whose K/V the draft model holds.
+    ``grammar`` is the sample's matcher once it first samples under a grammar.
     """
 
     req_id: str
@@ -23,6 +34,23 @@ class CachedRequestState:
     block_ids: list[int]
     num_computed_tokens: int
     generator: torch.Generator | None
+    lora_id: int = 0  # the LoRA adapter it runs with; 0: the base model
+    spec_token_ids: list[int] = field(default_factory=list)
+    noise_rows: list[torch.Tensor] = field(default_factory=list)
+    num_draft_computed: int = 0
+    grammar: RequestGrammar | None = None
+
+    def input_token_ids(self, start: int, num: int) -> list[int]:
+        """Tokens ``start .. start+num-1`` of the known tokens followed by the drafts."""
+        known = self.token_ids[start:start + num]
+        if len(known) == num:
+            return known
+        offset = max(0, start - len(self.token_ids))
+        return known + self.spec_token_ids[offset:offset + num - len(known)]
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.token_ids) + len(self.spec_token_ids)
 
     @property
     def output_token_ids(self) -> list[int]:

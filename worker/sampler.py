@@ -7,6 +7,7 @@ row from its own generator, so its tokens do not depend on what else is in the b
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -80,33 +81,74 @@ def _exponential_noise(shape, md: SamplingMetadata, device: torch.device) -> tor
     return noise
 
 
-def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, md: SamplingMetadata):
-    """Logprobs of the rows that asked for them, computed on the logits' device and
-    brought to the host in one copy::
+def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor,
+                   num_logprobs: list[int | None]) -> list[TokenLogprobs | None]:
+    """Row i's logprob of ``tokens[i]`` under the raw logits, with its rank and its
+    ``num_logprobs[i]`` most likely tokens (None: the row asked for none), computed on
+    the logits' device and brought to the host in one copy::
 
         packed[r] = [token id, its logprob, its rank, top ids (max k), top logprobs]
 
     (ids and ranks are exact in float32: vocabularies stay below 2^24)."""
-    rows = [i for i, k in enumerate(md.num_logprobs) if k is not None]
+    rows = [i for i, k in enumerate(num_logprobs) if k is not None]
+    if not rows:
+        return [None] * len(num_logprobs)
     index = torch.tensor(rows, dtype=torch.int64, device=raw.device)
     logprobs = raw.index_select(0, index).log_softmax(-1)
     chosen = tokens.index_select(0, index)
     sampled = logprobs.gather(-1, chosen[:, None])
     ranks = (logprobs > sampled).sum(-1, keepdim=True) + 1
     parts = [chosen[:, None].float(), sampled, ranks.float()]
-    top = md.max_num_logprobs or 0
+    top = max((num_logprobs[i] for i in rows), default=0)
     if top:
         top_vals, top_ids = logprobs.topk(top, dim=-1)
         parts += [top_ids.float(), top_vals]
     packed = torch.cat(parts, dim=1).cpu()
-    result: list[TokenLogprobs | None] = [None] * len(md.num_logprobs)
+    result: list[TokenLogprobs | None] = [None] * len(num_logprobs)
     for r, i in enumerate(rows):
-        k, row = md.num_logprobs[i], packed[r]
+        k, row = num_logprobs[i], packed[r]
         result[i] = TokenLogprobs(
             token_id=int(row[0]), logprob=float(row[1]), rank=int(row[2]),
             top_token_ids=[int(t) for t in row[3:3 + k].tolist()],
             top_logprobs=row[3 + top:3 + top + k].tolist())
     return result
+
+
+@dataclass(slots=True)
+class TargetDistribution:
+    """What each row samples from: ``greedy`` (the argmax after min_tokens bans and
+    penalties) and, unless every row is greedy, ``probs`` after temperature and
+    top-k/top-p/min-p; rows with temperature 0 (``is_random`` False) take ``greedy``."""
+
+    greedy: torch.Tensor  # [B] int64
+    probs: torch.Tensor | None  # [B, vocab] float32
+    is_random: torch.Tensor  # [B] bool
+
+
+def target_distribution(logits: torch.Tensor, md: SamplingMetadata) -> TargetDistribution:
+    """Every row's processed distribution (the sampler's, and the rejection sampler's
+    target p), on the logits' device."""
+    if md.logit_bias is not None:  # OpenAI's logit_bias: added before anything else
+        logits = logits.index_put(md.logit_bias[:2], md.logit_bias[2], accumulate=True)
+    raw = logits
+    for row, banned in md.min_tokens_stop_ids.items():
+        logits = logits.clone() if logits is raw else logits
+        logits[row, banned] = float("-inf")
+    logits = apply_penalties(logits, md)
+    greedy = logits.argmax(-1)
+    if md.all_greedy:
+        return TargetDistribution(greedy, None, md.temperature > 0)
+    temp = torch.where(md.temperature > 0, md.temperature, 1.0)
+    scaled = apply_top_k_top_p_min_p(logits / temp[:, None], md)
+    return TargetDistribution(greedy, scaled.softmax(-1), md.temperature > 0)
+
+
+def draw(dist: TargetDistribution, noise: torch.Tensor | None) -> torch.Tensor:
+    """One token per row: ``argmax(probs / noise)`` (``noise`` i.i.d. Exp(1)) for random
+    rows, the argmax for greedy ones."""
+    if dist.probs is None:
+        return dist.greedy
+    return torch.where(dist.is_random, (dist.probs / noise).argmax(-1), dist.greedy)
 
 
 class Sampler:
@@ -115,20 +157,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata
                  ) -> tuple[torch.Tensor, list[TokenLogprobs | None]]:
-        raw = logits
-        for row, banned in md.min_tokens_stop_ids.items():
-            logits = logits.clone() if logits is raw else logits
-            logits[row, banned] = float("-inf")
-        logits = apply_penalties(logits, md)
-        greedy = logits.argmax(-1)
-        if md.all_greedy:
-            tokens = greedy
-        else:
-            temp = torch.where(md.temperature > 0, md.temperature, 1.0)
-            scaled = apply_top_k_top_p_min_p(logits / temp[:, None], md)
-            probs = scaled.softmax(-1)
-            drawn = (probs / _exponential_noise(probs.shape, md, probs.device)).argmax(-1)
-            tokens = torch.where(md.temperature > 0, drawn, greedy)
-        logprobs = _logprobs(raw, tokens, md) if md.max_num_logprobs is not None or any(
-            k is not None for k in md.num_logprobs) else [None] * len(md.num_logprobs)
-        return tokens, logprobs
+        dist = target_distribution(logits, md)
+        noise = None if dist.probs is None else _exponential_noise(
+            dist.probs.shape, md, dist.probs.device)
+        tokens = draw(dist, noise)
+        return tokens, token_logprobs(logits, tokens, md.num_logprobs)

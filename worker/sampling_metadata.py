@@ -31,6 +31,8 @@ class SamplingMetadata:
     min_tokens_stop_ids: dict[int, list[int]]  # row → token ids banned until min_tokens
     max_num_logprobs: int | None  # most top logprobs any row asked for
     num_logprobs: list[int | None]  # per row
+    # logit_bias of the rows that have one: (rows, token ids, biases), one entry per pair
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, params: list[WorkerSamplingParams],
@@ -74,4 +76,20 @@ class SamplingMetadata:
             min_tokens_stop_ids=min_tokens_stop_ids,
             max_num_logprobs=max(wanted) if wanted else None,
             num_logprobs=num_logprobs,
+            logit_bias=_logit_bias(params, device),
         )
+
+
+def _logit_bias(params: list[WorkerSamplingParams],
+                device: torch.device | str) -> tuple[torch.Tensor, ...] | None:
+    """Every row's (token id, bias) pairs as three flat tensors, for one index_put_."""
+    rows, ids, values = [], [], []
+    for i, p in enumerate(params):
+        rows += [i] * len(p.logit_bias_ids)
+        ids += p.logit_bias_ids
+        values += p.logit_bias_values
+    if not rows:
+        return None
+    return (torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(ids, dtype=torch.int64, device=device),
+            torch.tensor(values, dtype=torch.float32, device=device))

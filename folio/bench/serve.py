@@ -4,7 +4,8 @@ or another server's) with a synthetic workload and report what a client sees.
 Arrivals are Poisson at ``request_rate`` (gamma-distributed gaps when ``burstiness`` is
 not 1: below 1 burstier, above 1 steadier), or all at once when the rate is inf;
 ``max_concurrency`` caps requests in flight. Every request streams, so time to first
-token and the gaps between tokens are measured at the client.
+token and the gaps between tokens are measured at the client. When the server exposes
+spec-decode counters at /metrics, the report has the run's acceptance rate.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import random
 import time
 from dataclasses import dataclass
 
+from folio.bench.spec_metrics import acceptance_report, parse_spec_counters
 from folio.bench.stats import RequestRecord, summarize
 from folio.bench.workload import BenchRequest
 
@@ -101,10 +103,20 @@ async def _stream(session, url: str, body: dict, record: RequestRecord, start: f
     return record
 
 
+async def _spec_counters(session, base_url: str) -> dict | None:
+    """The server's spec-decode counters, or None (none exposed, or /metrics refused)."""
+    try:
+        async with session.get(base_url.rstrip("/") + "/metrics") as resp:
+            return parse_spec_counters(await resp.text()) if resp.status == 200 else None
+    except Exception:  # a server without /metrics still gets benchmarked
+        return None
+
+
 async def run_load(base_url: str, model: str, requests: list[BenchRequest], spec: LoadSpec,
                    ignore_eos: bool = True, extra: dict | None = None
-                   ) -> tuple[list[RequestRecord], float]:
-    """Send the workload; (a record per request, wall seconds from first send to last)."""
+                   ) -> tuple[list[RequestRecord], float, dict | None]:
+    """Send the workload; (a record per request, wall seconds from first send to last,
+    the server's speculative-decoding acceptance over the run or None)."""
     import aiohttp
     url = base_url.rstrip("/") + "/v1/completions"
     limit = asyncio.Semaphore(spec.max_concurrency or len(requests) or 1)
@@ -116,11 +128,14 @@ async def run_load(base_url: str, model: str, requests: list[BenchRequest], spec
     timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
     async with aiohttp.ClientSession(timeout=timeout,
                                      connector=aiohttp.TCPConnector(limit=0)) as session:
+        before = await _spec_counters(session, base_url)
         start = time.perf_counter()
         tasks = [asyncio.ensure_future(limited(session, req))
                  async for req in _arrivals(requests, spec)]
         records = await asyncio.gather(*tasks)
-        return list(records), time.perf_counter() - start
+        duration = time.perf_counter() - start
+        after = await _spec_counters(session, base_url)
+        return list(records), duration, acceptance_report(before, after)
 
 
 def bench_serve(base_url: str, model: str, requests: list[BenchRequest], spec: LoadSpec,
@@ -128,9 +143,11 @@ def bench_serve(base_url: str, model: str, requests: list[BenchRequest], spec: L
                 extra: dict | None = None) -> dict:
     """One run at one load: the report (see folio.bench.stats.summarize). ``extra``
     fields go into every request body (e.g. a server's own sampling options)."""
-    records, duration = asyncio.run(run_load(base_url, model, requests, spec, ignore_eos,
-                                             extra))
+    records, duration, spec_decode = asyncio.run(run_load(base_url, model, requests, spec,
+                                                          ignore_eos, extra))
     report = summarize(records, duration, slo_ms)
+    if spec_decode is not None:
+        report["spec_decode"] = spec_decode
     report["load"] = {"request_rate": spec.request_rate, "burstiness": spec.burstiness,
                       "max_concurrency": spec.max_concurrency}
     return report
@@ -151,6 +168,11 @@ def format_report(report: dict) -> str:
         g = report["goodput"]
         lines.append(f"goodput: {g['request_goodput']:.2f} req/s meet {g['slo_ms']} "
                      f"({g['requests_meeting_slo']} requests)")
+    if "spec_decode" in report:
+        d = report["spec_decode"]
+        lines.append(f"spec decode: acceptance rate {100 * d['acceptance_rate']:.1f}% "
+                     f"({d['num_accepted_tokens']} of {d['num_draft_tokens']} draft tokens), "
+                     f"mean acceptance length {d['mean_acceptance_length']:.2f}")
     if report["errors"]:
         lines.append(f"errors: {report['errors']}")
     return "\n".join(lines)

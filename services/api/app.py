@@ -16,22 +16,27 @@ import os
 
 from aiohttp import web
 
+from config.lora import LoRAConfig
 from config.schema import APIConfig
 from services.api.admission import Admission
 from services.api.api_metrics import APIMetrics
 from services.api.auth import CACHE_SALT, TENANT, APIKeys, Authenticator
 from services.api.body_budget import BodyBudget
+from services.api.body_rate import BodyRate
 from services.api.connection_guard import CONNECTION_GUARD, ConnectionGuard
 from services.api.engine_client import EngineClient, EngineDead
 from services.api.errors import error_middleware
 from services.api.expect_continue import ExpectContinue
 from services.api.generation import Generation
+from services.api.grammar_check import GrammarChecker
+from services.api.lora_routes import LoRARoutes
 from services.api.openai_protocol import APIError, unavailable
 from services.api.openapi import openapi_document
 from services.api.request_body import check_declared_size, parse_json_object, read_body
 from services.api.request_validation import RequestValidator, ValidationLimits, check_model
 from services.api.token_routes import TokenRoutes
 from services.api.tokenizer_pool import TokenizerPool
+from services.api.vllm_routes import VLLMRoutes
 from text.tokenizer import Tokenizer
 
 VERSION = "0.1.0"
@@ -42,12 +47,14 @@ class APIServer:
 
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str,
                  max_model_len: int, tracer=None, enable_metrics: bool = True,
-                 api: APIConfig | None = None, api_keys: APIKeys | None = None):
+                 api: APIConfig | None = None, api_keys: APIKeys | None = None,
+                 lora: LoRAConfig | None = None):
         self.engine, self.tokenizer = engine, tokenizer
         self.tracer = tracer  # an OpenTelemetry tracer, or None when tracing is off
         self.enable_metrics = enable_metrics
         self.model_name, self.max_model_len = model_name, max_model_len
         self.api = api or APIConfig()
+        self.lora = lora or LoRAConfig()
         self.api_keys = api_keys if api_keys is not None else APIKeys.from_sources(
             self.api.api_keys, os.environ)
         facts = engine.model_facts  # the model's own vocabulary bounds prompt token ids
@@ -57,10 +64,16 @@ class APIServer:
             tokenizer.token_span))
         self.admission = Admission(engine)
         self.body_budget = BodyBudget(self.api.max_buffered_body_bytes)
+        self.body_rate = BodyRate(self.api.tenant_body_bytes_per_s,
+                                  self.api.tenant_body_burst_bytes)
         self.connections = ConnectionGuard(self.api)
         self.api_metrics = APIMetrics(self.connections, self.body_budget)
         self.tokens = TokenizerPool(tokenizer, self.api.num_tokenizer_threads,
                                     self.api.allow_special_tokens_in_content)
+        self.grammars = GrammarChecker(
+            tokenizer, self.validator.limits.vocab_size,
+            facts.eos_token_ids if facts is not None else tokenizer.eos_token_ids,
+            self.api.grammar_compile_timeout_s)
 
     def app(self) -> web.Application:
         public = {"/health", "/metrics"} if self.api.public_metrics else {"/health"}
@@ -84,53 +97,93 @@ class APIServer:
                               ("/metrics", self.metrics)):
             app.router.add_get(path, handler, expect_handler=expect)
         TokenRoutes(self.tokens, self.validator, self._body).add_to(app.router, expect)
+        if self.lora.enable_lora and self.lora.allow_runtime_updates:
+            LoRARoutes(self.engine, self.lora, self.model_name, self._body).add_to(
+                app.router, expect)
+        VLLMRoutes(self).add_to(app.router, expect)
         return app
 
     async def _close(self, app: web.Application) -> None:
         self.tokens.close()
+        self.grammars.close()
 
     async def _body(self, request) -> dict:
+        tenant = request.get(TENANT)
+        check_declared_size(request, self.api.max_body_bytes)  # 413 before 429
+        self.body_rate.take(tenant, request.content_length or 0)
         with self.body_budget.reservation() as reservation:
             raw = await read_body(request, self.api.max_body_bytes, reservation)
-            body = parse_json_object(raw)
-        check_model(body, self.model_name)
+            if request.content_length is None:  # chunked: charged once its size is known
+                self.body_rate.take(tenant, len(raw), may_borrow=True)
+            body = parse_json_object(raw, self.api.max_json_values)
+        check_model(body, self.model_name, self.lora.enable_lora)
         return body
 
-    def _generation(self, request: web.Request, checked, chat: bool) -> Generation:
+    def _generation(self, request: web.Request, checked, chat: bool,
+                    lora_name: str | None) -> Generation:
         tenant = request.get(TENANT)
         return Generation.start(request, checked, chat, engine=self.engine,
                                 tokenizer=self.tokenizer, validator=self.validator,
-                                model_name=self.model_name, tracer=self.tracer,
+                                model_name=lora_name or self.model_name, tracer=self.tracer,
+                                grammars=self.grammars,
                                 cache_salt=request.get(CACHE_SALT), tenant=tenant,
-                                tenant_weight=self.api.tenant_weights.get(tenant, 1.0))
+                                tenant_weight=self.api.tenant_weights.get(tenant, 1.0),
+                                lora_name=lora_name)
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        checked = self.validator.completion(await self._body(request))
-        prompt = checked.prompt
+    async def _generation_body(self, request: web.Request, body: dict | None = None
+                               ) -> tuple[dict, str | None]:
+        """The checked body (read unless given) and the LoRA adapter its ``model`` names
+        (None: the base)."""
+        if body is None:
+            body = await self._body(request)
+        return body, check_model(body, self.model_name, self.lora.enable_lora)
 
-        async def tokenize() -> list[int]:  # a text prompt passed the character bound
-            return await self.tokens.encode(prompt) if isinstance(prompt, str) else prompt
+    async def completions(self, request: web.Request,
+                          body: dict | None = None) -> web.StreamResponse:
+        """``body``: already read (``/invocations``); else read here."""
+        body, lora_name = await self._generation_body(request, body)
+        checked = self.validator.completion(body)
+
+        async def tokenize() -> list[list[int]]:  # text prompts passed the character bound
+            return [await self.tokens.encode(p) if isinstance(p, str) else p
+                    for p in checked.prompts]
 
         with self.admission.admitted():
-            return await self._generation(request, checked, chat=False).respond(
+            return await self._generation(request, checked, False, lora_name).respond(
                 request, tokenize)
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        checked = self.validator.chat(await self._body(request))
+    async def chat_completions(self, request: web.Request,
+                               body: dict | None = None) -> web.StreamResponse:
+        body, lora_name = await self._generation_body(request, body)
+        checked = self.validator.chat(body)
 
-        async def tokenize() -> list[int]:
-            return await self.tokens.encode_chat(
+        async def tokenize() -> list[list[int]]:
+            return [await self.tokens.encode_chat(
                 checked.messages, checked.add_generation_prompt,
-                lambda text: self.validator.check_prompt_text(text, "messages"))
+                lambda text: self.validator.check_prompt_text(text, "messages"),
+                checked.tools)]
 
         with self.admission.admitted():
-            return await self._generation(request, checked, chat=True).respond(
+            return await self._generation(request, checked, True, lora_name).respond(
                 request, tokenize)
+
+    def model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": 0, "owned_by": "folio",
+                "max_model_len": self.max_model_len}
 
     async def models(self, request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": 0, "owned_by": "folio",
-            "max_model_len": self.max_model_len}]})
+        """The served model (``root`` itself, no ``parent``), then each LoRA adapter with
+        the model as ``parent`` (asked of the engine core, the one registry of adapters)."""
+        names = []
+        if self.lora.enable_lora:
+            try:
+                names = [a.name for a in (await self.engine.lora("list", timeout=5.0)).adapters]
+            except (EngineDead, asyncio.TimeoutError):
+                raise unavailable("the engine core is unavailable")
+        card = self.model_card()
+        return web.json_response({"object": "list", "data": [
+            {**card, "root": self.model_name, "parent": None},
+            *({**card, "id": n, "root": n, "parent": self.model_name} for n in names)]})
 
     async def health(self, request) -> web.Response:
         """200 from the engine core's latest pushed snapshot (a probe never reaches the

@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import deque
 
 from engine_core.model_facts import ModelFacts
 from engine_core.sampling_params import SamplingParams
 from services.protocol import (HEALTH_MAX_AGE_S, AbortRequest, AddRequest, GetMetrics,
-                               HealthSnapshot, Metrics, OutputDelta, ProtocolError,
-                               QueueState, RequestRejected, WorkerReady)
+                               HealthSnapshot, ListLoRAAdapters, LoadLoRAAdapter, LoRAReply,
+                               Metrics, OutputDelta, ProtocolError, QueueState,
+                               RequestRejected, UnloadLoRAAdapter, WorkerReady)
 from services.transport import Endpoint, PeerLink, connect
 
 
@@ -27,7 +29,9 @@ class EngineClient:
     Each request gets a queue; the reader puts EngineCoreOutput deltas (for every
     sample) or a RequestRejected on it, and None when the engine goes away. Metrics
     requests are answered in order on the same link, so replies match a FIFO of
-    waiters. Health is never asked for: the engine core pushes HealthSnapshots.
+    waiters; LoRA requests carry an id their LoRAReply repeats (a load is answered
+    only when the worker has checked the adapter). Health is never asked for: the
+    engine core pushes HealthSnapshots.
     """
 
     def __init__(self, endpoint: Endpoint, client_id: str):
@@ -38,6 +42,8 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue] = {}
         # replies to GetMetrics come back in order on the one link
         self._waiters: dict[type, deque[asyncio.Future]] = {Metrics: deque()}
+        self._lora_waiters: dict[str, asyncio.Future] = {}  # LoRA request id → reply
+        self._lora_ids = itertools.count()
         self._reader: asyncio.Task | None = None
         self.model_facts: ModelFacts | None = None  # from the engine core's WorkerReady
         self.alive = False
@@ -76,6 +82,10 @@ class EngineClient:
                 queue = self._queues.get(message.req_id)
                 if queue is not None:
                     queue.put_nowait(message)
+            elif isinstance(message, LoRAReply):
+                waiter = self._lora_waiters.pop(message.request_id, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(message)
             elif isinstance(message, Metrics) and self._waiters[Metrics]:
                 waiter = self._waiters[type(message)].popleft()
                 if not waiter.done():
@@ -84,15 +94,18 @@ class EngineClient:
         self.dead.set()
         for queue in self._queues.values():
             queue.put_nowait(None)
-        for waiter in (w for waiters in self._waiters.values() for w in waiters):
+        for waiter in [*(w for ws in self._waiters.values() for w in ws),
+                       *self._lora_waiters.values()]:
             if not waiter.done():
                 waiter.set_exception(EngineDead("the engine core went away"))
 
     async def add(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                   traceparent: str | None = None, cache_salt: str | None = None,
-                  tenant: str | None = None, tenant_weight: float = 1.0) -> asyncio.Queue:
+                  tenant: str | None = None, tenant_weight: float = 1.0,
+                  lora_name: str | None = None) -> asyncio.Queue:
         """Send a request; ``cache_salt`` (the tenant's, from auth) keys its cache blocks,
-        ``tenant`` and its weight are what the fair scheduler shares by."""
+        ``tenant`` and its weight are what the fair scheduler shares by, ``lora_name``
+        the adapter the client named (the engine core resolves it)."""
         if not self.alive:
             raise EngineDead("the engine core is not reachable")
         queue: asyncio.Queue = asyncio.Queue()
@@ -100,7 +113,7 @@ class EngineClient:
         await self._link.send(AddRequest(req_id, prompt_token_ids, params, self.client_id,
                                          time.time(), cache_salt=cache_salt,
                                          traceparent=traceparent, tenant=tenant,
-                                         tenant_weight=tenant_weight))
+                                         tenant_weight=tenant_weight, lora_name=lora_name))
         return queue
 
     async def abort(self, req_ids: list[str]) -> None:
@@ -125,6 +138,23 @@ class EngineClient:
     async def metrics(self, timeout: float = 5.0) -> str:
         """The engine core's Prometheus text."""
         return (await self._ask(GetMetrics(), Metrics, timeout)).text
+
+    async def lora(self, kind: str, lora_name: str = "", lora_path: str = "",
+                   timeout: float = 120.0) -> LoRAReply:
+        """One LoRA round trip: ``kind`` "load", "unload" or "list"."""
+        if not self.alive:
+            raise EngineDead("the engine core is not reachable")
+        request_id = f"{self.client_id}-lora-{next(self._lora_ids)}"
+        message = {"load": lambda: LoadLoRAAdapter(request_id, lora_name, lora_path),
+                   "unload": lambda: UnloadLoRAAdapter(request_id, lora_name),
+                   "list": lambda: ListLoRAAdapters(request_id)}[kind]()
+        waiter = asyncio.get_running_loop().create_future()
+        self._lora_waiters[request_id] = waiter
+        try:
+            await self._link.send(message)
+            return await asyncio.wait_for(waiter, timeout)
+        finally:
+            self._lora_waiters.pop(request_id, None)
 
     def forget(self, req_id: str) -> None:
         self._queues.pop(req_id, None)

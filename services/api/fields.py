@@ -19,10 +19,11 @@ _BOUND_NAMES = {INT64_MAX: "2^63-1", INT64_MIN: "-2^63"}
 
 # Fields OpenAI defines that Folio does not serve: absent, null or one of these values
 # (same type, same value) is accepted; anything else asks for something not served.
+# (response_format, tools and tool_choice are served: services/api/structured_request.py)
 REFUSED: dict[str, tuple] = {
-    "echo": (False,), "suffix": ("",), "logit_bias": ({},), "tools": ([],),
-    "tool_choice": ("none", "auto"), "best_of": (1,), "cache_salt": (),
-    "response_format": ({"type": "text"},)}
+    "suffix": ("",), "best_of": (1,), "cache_salt": (),
+    # vLLM's extensions not served yet: refused, never silently ignored
+    "continue_final_message": (False,)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +59,15 @@ def _type_name(types: tuple) -> str:
 
 def typed(body: dict, key: str, types: tuple, bounds: Range | None = None) -> Any:
     """``body[key]`` if it has one of ``types`` (bool is never a number) and lies in
-    ``bounds``; else a 400 naming ``key``."""
+    ``bounds``; else a 400 naming ``key``.
+
+    An integer field takes a whole-number float (``"seed": 26915506.0``) as that
+    integer, as vLLM does (JSON has one number type; many clients write every number
+    as a float); ``2.5`` stays a 400."""
     value = body[key]
+    if (types == (int,) and isinstance(value, float) and math.isfinite(value)
+            and value.is_integer()):
+        value = int(value)
     if isinstance(value, bool) and bool not in types or not isinstance(value, types):
         name = _type_name(types)
         raise bad(f"'{key}' must be a{'n' if name[0] in 'aeiou' else ''} {name}", key)

@@ -1,10 +1,9 @@
 """One completion or chat request, from its validated body to its last byte.
 
     Generation.respond(request)
-      tokenize (chat template) ─▶ fit check ─▶ engine.add ─▶ deltas() ─┬─ JSON: collect,
-                                                                       │  render output
-                                                                       └─ SSE: a chunk
-                                                                          per delta
+      [compile the grammar] ─▶ tokenize (chat template) ─▶ fit check ─▶ engine.add
+      ─▶ deltas() ─┬─ JSON: collect, render output (tool calls: tool_calls.py)
+                   └─ SSE: a chunk per delta
 Each engine output goes through the request's ``RequestState`` (text/request_state.py),
 the same code the offline ``LLM`` runs: incremental text, stop strings, logprobs and
 ``n`` > 1. A sample that a stop string ends is aborted in the engine; when the client
@@ -24,12 +23,17 @@ from aiohttp import web
 
 from observability.logging import get_logger
 from services.api.engine_client import EngineDead, QueueFull
-from services.api.openai_protocol import bad, unavailable
+from services.api.completion_choices import CompletionChoices
+from services.api.grammar_check import GrammarChecker
+from services.api.openai_protocol import APIError, bad, unavailable
+from services.api.queue_merge import MergedQueues
 from services.api.request_trace import RequestTrace
 from services.api.request_validation import CheckedRequest, RequestValidator
 from services.api.response_format import (chat_chunk, chat_response, completion_chunk,
                                           completion_response, output_usage)
+from services.api.tool_calls import ToolCallStream
 from services.protocol import RequestRejected
+from text.request_output import RequestOutput
 from text.request_state import RequestState, SampleDelta
 from text.tokenizer import Tokenizer
 
@@ -48,11 +52,14 @@ class Generation:
     chat: bool
     trace: RequestTrace
     req_id: str
+    grammars: GrammarChecker | None = None  # compiles structured-output grammars
     cache_salt: str | None = None
     tenant: str | None = None  # the API key's tenant id, None without keys
     tenant_weight: float = 1.0
+    lora_name: str | None = None  # the LoRA adapter the request names (model_name too)
     created: int = field(default_factory=lambda: int(time.time()))
-    state: RequestState | None = None
+    states: list[RequestState] = field(default_factory=list)  # one per prompt
+    choices: CompletionChoices | None = None  # completions: renders the choices
 
     @classmethod
     def start(cls, request: web.Request, checked: CheckedRequest, chat: bool,
@@ -63,7 +70,8 @@ class Generation:
         req_id = f"{prefix}-{uuid.uuid4().hex}"
         tracer = shared.pop("tracer")
         trace = RequestTrace(tracer, operation, shared["model_name"], req_id,
-                             request.headers.get("traceparent"), checked.params)
+                             request.headers.get("traceparent"), checked.params,
+                             shared.get("lora_name"))
         return cls(checked=checked, chat=chat, trace=trace, req_id=req_id, **shared)
 
     @property
@@ -71,23 +79,29 @@ class Generation:
         return "chat" if self.chat else "text_completion"
 
     async def respond(self, request: web.Request,
-                      tokenize: Callable[[], Awaitable[list[int]]]) -> web.StreamResponse:
-        """Tokenize, run and answer the request under its trace and log context."""
+                      tokenize: Callable[[], Awaitable[list[list[int]]]]
+                      ) -> web.StreamResponse:
+        """Tokenize, run and answer the request under its trace and log context;
+        ``tokenize`` gives one token-id list per prompt (several: a batched completion)."""
         error = None
         with structlog.contextvars.bound_contextvars(request_id=self.req_id,
                                                      trace_id=self.trace.trace_id):
             try:
                 params = self.checked.params
+                await self._check_grammar()
                 with self.trace.tokenize():
-                    ids = self.validator.check_prompt_ids(await tokenize(), params,
-                                                          self.checked.max_tokens_param)
+                    prompts = [self.validator.check_prompt_ids(
+                        self.checked.truncated(ids), params, self.checked.max_tokens_param)
+                        for ids in await tokenize()]
+                num_prompt_tokens = sum(map(len, prompts))
                 log.info("request received", operation=self.operation,
-                         num_prompt_tokens=len(ids), max_tokens=params.max_tokens,
-                         n=params.n, stream=self.checked.stream)
-                self.trace.start_respond(len(ids), self.checked.stream)
+                         num_prompt_tokens=num_prompt_tokens, num_prompts=len(prompts),
+                         max_tokens=params.max_tokens, n=params.n,
+                         stream=self.checked.stream, lora_adapter=self.lora_name)
+                self.trace.start_respond(num_prompt_tokens, self.checked.stream)
                 if self.checked.stream:
-                    return await self._stream(request, ids)
-                return web.json_response(await self._collect(request, ids))
+                    return await self._stream(request, prompts)
+                return web.json_response(await self._collect(request, prompts))
             except BaseException as e:
                 error = e
                 raise
@@ -97,31 +111,80 @@ class Generation:
                          num_output_tokens=self.trace.num_output_tokens,
                          error=type(error).__name__ if error is not None else None)
 
+    async def _check_grammar(self) -> None:
+        """Compile the request's grammar (cached by spec): a 400 before anything is
+        tokenized or sent when it does not compile in time."""
+        structured = self.checked.structured
+        if structured is None or self.grammars is None:
+            return
+        spec = structured.params.spec
+        with self.trace.child("structured_output.compile") as span:
+            t0 = time.perf_counter()
+            cached = await self.grammars.check(spec, structured.param)
+            if span is not None:
+                span.set_attributes({"folio.grammar_kind": structured.params.kind,
+                                     "folio.cache_hit": cached,
+                                     "folio.compile_seconds": time.perf_counter() - t0})
+
     def _format(self) -> dict:
         return dict(req_id=self.req_id, model=self.model_name, created=self.created)
 
-    async def deltas(self, prompt_token_ids: list[int]) -> AsyncIterator[SampleDelta]:
-        """Send the request to the engine; yield each sample's deltas until all ended."""
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        """Each prompt's output so far, in prompt order."""
+        return [state.output for state in self.states]
+
+    def _choices(self) -> CompletionChoices:
+        if self.choices is None:
+            self.choices = CompletionChoices(
+                self.tokenizer, self.checked.options,
+                [p if isinstance(p, str) else None for p in self.checked.prompts or []],
+                self.checked.params.skip_special_tokens)
+        return self.choices
+
+    def _usage(self) -> dict:
+        return output_usage(self.outputs, count_output=not self.checked.options.discard_output)
+
+    def _sub_id(self, k: int, num_prompts: int) -> str:
+        return self.req_id if num_prompts == 1 else f"{self.req_id}-{k}"
+
+    async def _add(self, k: int, num_prompts: int, ids: list[int]):
         params = self.checked.params
-        queue = await self.engine.add(self.req_id, prompt_token_ids, params,
-                                      self.trace.traceparent, cache_salt=self.cache_salt,
-                                      tenant=self.tenant, tenant_weight=self.tenant_weight)
-        child_ids = ([self.req_id] if params.n == 1
-                     else [f"{i}_{self.req_id}" for i in range(params.n)])
-        self.state = state = RequestState(self.tokenizer, self.req_id, None,
-                                          prompt_token_ids, params, child_ids)
+        sub_id = self._sub_id(k, num_prompts)
+        queue = await self.engine.add(sub_id, ids, params, self.trace.traceparent,
+                                      cache_salt=self.cache_salt, tenant=self.tenant,
+                                      tenant_weight=self.tenant_weight,
+                                      lora_name=self.lora_name)
+        child_ids = ([sub_id] if params.n == 1
+                     else [f"{i}_{sub_id}" for i in range(params.n)])
+        self.states.append(RequestState(self.tokenizer, sub_id, None, ids, params,
+                                        child_ids))
+        return queue
+
+    async def deltas(self, prompts: list[list[int]]) -> AsyncIterator[SampleDelta]:
+        """Send each prompt to the engine; yield every sample's deltas until all ended.
+
+        Sample i of prompt k is choice ``k * n + i`` (OpenAI's order for a batch)."""
+        n = self.checked.params.n
+        self.states = []
+        merged = None
         try:
-            while not state.finished:
-                item = await queue.get()
+            queues = [await self._add(k, len(prompts), ids) for k, ids in enumerate(prompts)]
+            merged = MergedQueues(queues)
+            while not all(state.finished for state in self.states):
+                k, item = await merged.get()
                 if item is None:
                     raise EngineDead("the engine core went away")
                 if isinstance(item, RequestRejected):
                     if item.code == "queue_full":
                         raise QueueFull(item.message)
+                    if item.code == "model_not_found":
+                        raise APIError(404, item.message, "not_found_error", item.param,
+                                       item.code)
                     raise bad(item.message, item.param)
                 self.trace.on_tokens(len(item.new_token_ids))
                 t0 = time.perf_counter()
-                delta = state.update(item)
+                delta = self.states[k].update(item)
                 self.trace.detokenize_seconds += time.perf_counter() - t0
                 if delta is None:
                     continue
@@ -129,24 +192,37 @@ class Generation:
                     self.trace.finish_reasons.append(delta.finish_reason)
                 if delta.abort_in_engine:  # a stop string ended it
                     await self.engine.abort([item.req_id])
+                delta.index += k * n
                 yield delta
         finally:
-            self.engine.forget(self.req_id)
-            live = state.live_child_ids
+            if merged is not None:
+                merged.close()
+            live = []
+            for k, state in enumerate(self.states):
+                self.engine.forget(state.req_id)
+                live += state.live_child_ids
             if live:  # client went away or an error: free the engine's blocks
                 await self.engine.abort(live)
 
-    async def _collect(self, request: web.Request, ids: list[int]) -> dict:
+    async def _collect(self, request: web.Request, prompts: list[list[int]]) -> dict:
         # aclosing: leaving early (client gone, handler cancelled) aborts at once
-        async with contextlib.aclosing(self.deltas(ids)) as deltas:
+        async with contextlib.aclosing(self.deltas(prompts)) as deltas:
             async for _ in deltas:
                 if request.transport is None or request.transport.is_closing():
                     break  # the client hung up
-        render = chat_response if self.chat else completion_response
-        return render(self.state.output, self.tokenizer, **self._format())
+        if self.chat:
+            return chat_response(self.outputs, self.tokenizer, self.checked,
+                                 tools=self._tools, **self._format())
+        return completion_response(self._choices(), self.outputs, **self._format())
 
-    async def _stream(self, request: web.Request, ids: list[int]) -> web.StreamResponse:
-        gen = self.deltas(ids)
+    @property
+    def _tools(self):
+        structured = self.checked.structured
+        return structured.tools if structured is not None else None
+
+    async def _stream(self, request: web.Request,
+                      prompts: list[list[int]]) -> web.StreamResponse:
+        gen = self.deltas(prompts)
         try:
             return await self._write_stream(request, gen)
         finally:  # also on cancellation (client gone): aborts what is still live
@@ -158,16 +234,27 @@ class Generation:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
-        fmt, chunk = self._format(), chat_chunk if self.chat else completion_chunk
+        fmt = self._format()
+        tools = self._tools
+        calls = {i: ToolCallStream(tools) for i in range(self.checked.params.n)} if tools \
+            else None
         try:
             if self.chat:
                 for i in range(self.checked.params.n):
                     await _sse(resp, chat_chunk(SampleDelta(i, "", []), self.tokenizer,
-                                                role=True, **fmt))
+                                                self.checked, self.outputs[0], role=True,
+                                                **fmt))
             delta = first_delta
             while True:
-                if delta.text or delta.finish_reason or delta.token_ids:
-                    await _sse(resp, chunk(delta, self.tokenizer, **fmt))
+                if calls is not None:
+                    for payload in _tool_chunks(calls[delta.index], delta, fmt):
+                        await _sse(resp, payload)
+                else:
+                    payload = self._chunk(delta, fmt)
+                    if payload is not None:
+                        if self.checked.continuous_usage:  # the request's usage so far
+                            payload["usage"] = self._usage()
+                        await _sse(resp, payload)
                 delta = await gen.__anext__()
         except StopAsyncIteration:
             pass
@@ -180,10 +267,32 @@ class Generation:
             await _sse(resp, {"id": self.req_id, "object": "chat.completion.chunk"
                               if self.chat else "text_completion", "created": self.created,
                               "model": self.model_name, "choices": [],
-                              "usage": output_usage(self.state.output)})
+                              "usage": self._usage()})
         await resp.write(b"data: [DONE]\n\n")
         return resp
+
+    def _chunk(self, delta: SampleDelta, fmt: dict) -> dict | None:
+        """The stream event of one delta; None when it shows nothing."""
+        if self.chat:
+            if delta.text or delta.finish_reason or delta.token_ids:
+                return chat_chunk(delta, self.tokenizer, self.checked, self.outputs[0], **fmt)
+            return None
+        k = delta.index // self.checked.params.n
+        choices = self._choices().chunk(delta, k, self.outputs[k])
+        return completion_chunk(choices, **fmt) if choices else None
 
 
 async def _sse(resp: web.StreamResponse, payload: dict) -> None:
     await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+
+def _tool_chunks(stream: ToolCallStream, delta: SampleDelta, fmt: dict) -> list[dict]:
+    """The chunks of one delta of a tool-call sample (the finish rides on the last)."""
+    bodies, finish = stream.deltas(delta.text, delta.finish_reason)
+    if finish is not None and not bodies:
+        bodies = [{}]
+    return [{"id": fmt["req_id"], "object": "chat.completion.chunk",
+             "created": fmt["created"], "model": fmt["model"],
+             "choices": [{"index": delta.index, "delta": body, "logprobs": None,
+                          "finish_reason": finish if i == len(bodies) - 1 else None}]}
+            for i, body in enumerate(bodies)]

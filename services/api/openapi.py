@@ -66,7 +66,46 @@ def _sampling(lim: ValidationLimits) -> dict[str, Any]:
         "skip_special_tokens": nullable({"type": "boolean"}),
         "include_stop_str_in_output": nullable({"type": "boolean"}),
         "user": nullable({"type": "string"}),
+        **_structured(lim, nullable),
     }
+
+
+def _structured(lim: ValidationLimits, nullable) -> dict[str, Any]:
+    """The fields that constrain the output (services/api/structured_request.py); the
+    server checks more than this says (the grammar must compile)."""
+    text = {"type": "string", "minLength": 1, "maxLength": lim.max_grammar_chars}
+    choice = {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}
+    schema = {"anyOf": [{"type": "object"}, {"type": "string"}]}
+    json_schema = {"type": "object", "required": ["schema"], "properties": {
+        "name": {"type": "string"}, "schema": {"type": "object"},
+        "strict": nullable({"type": "boolean"})}}
+    return {
+        "response_format": nullable({"type": "object", "required": ["type"], "properties": {
+            "type": {"enum": ["text", "json_object", "json_schema"]},
+            "json_schema": json_schema}}),
+        "structured_outputs": nullable({"type": "object", "properties": {
+            "json": schema, "regex": text, "choice": choice, "grammar": text,
+            "json_object": {"type": "boolean"}}}),
+        "guided_json": nullable(schema), "guided_regex": nullable(text),
+        "guided_choice": nullable(choice), "guided_grammar": nullable(text),
+    }
+
+
+def _tools() -> dict[str, Any]:
+    """Chat only: function calling (services/api/tool_calls.py)."""
+    function = {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
+        "description": {"type": "string"}, "parameters": {"type": "object"}}}
+    tool = {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"}, "function": function}}
+    named = {"type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"}, "function": {
+            "type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string"}}}}}
+    return {"tools": {"anyOf": [{"type": "array", "items": tool}, {"type": "null"}]},
+            "tool_choice": {"anyOf": [{"enum": ["none", "auto", "required"]}, named,
+                                      {"type": "null"}]},
+            "parallel_tool_calls": {"type": ["boolean", "null"]}}
 
 
 def _token_id(lim: ValidationLimits) -> dict:
@@ -95,14 +134,15 @@ def _schemas(lim: ValidationLimits) -> dict[str, Any]:
                            "code": {"type": ["string", "null"]}}}}},
         "CompletionRequest": {"type": "object", "required": ["prompt"], "properties": {
             **_sampling(lim),
-            "prompt": {"anyOf": [  # text, ids, or a batch of exactly one of those
+            "prompt": {"anyOf": [  # text, ids, or a batch of those
                 {"type": "string", "minLength": 1}, ids,
-                {"type": "array", "minItems": 1, "maxItems": 1, "items": {
+                {"type": "array", "minItems": 1, "maxItems": lim.max_batch_prompts, "items": {
                     "anyOf": [{"type": "string", "minLength": 1}, ids]}}]},
             "logprobs": {"type": ["integer", "null"], "minimum": 0,
                          "maximum": lim.max_logprobs}}},
         "ChatRequest": {"type": "object", "required": ["messages"], "properties": {
-            **_sampling(lim), "messages": {"type": "array", "minItems": 1, "items": message},
+            **_sampling(lim), **_tools(),
+            "messages": {"type": "array", "minItems": 1, "items": message},
             "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1,
                                       "maximum": lim.max_model_len - 1},
             "logprobs": {"type": ["boolean", "null"]},

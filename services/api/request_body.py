@@ -9,6 +9,12 @@ holding lone surrogates (``"\\ud800"``, valid JSON but not text) are refused wit
 top-level field that holds them, before a tokenizer could choke on them. A key twice in
 one object, at any depth, is refused naming it: JSON leaves its meaning open and
 parsers disagree on which value wins, so a proxy and Folio could read two requests.
+
+The parser itself is bounded too: ``json.loads`` holds the GIL and the event loop for
+its whole run (4 MiB of ``1,1,1,...`` took 166 ms here), so a body holding more than
+``api.max_json_values`` values (lists' items, objects' members) is refused before it is
+parsed. Counting commas outside strings bounds that number; the count skips the string
+scan when even the commas anywhere stay within the bound, as in every ordinary body.
 """
 from __future__ import annotations
 
@@ -58,16 +64,32 @@ async def read_body(request: web.BaseRequest, max_body_bytes: int,
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
+# One JSON string, escapes included (the unrolled form: runs of plain characters are
+# consumed in one step, so a 4 MB prompt costs one match, not four million).
+_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
+
+
+def check_value_count(text: str, max_values: int) -> None:
+    """400 when the JSON text holds more than about ``max_values`` values."""
+    if text.count(",") < max_values:
+        return
+    if _JSON_STRING.sub("", text).count(",") >= max_values:
+        raise bad(f"the body holds more than {max_values} JSON values (api.max_json_values)")
+
+
 def _non_finite(name: str) -> float:
     return float(name.replace("Infinity", "inf"))  # "NaN", "Infinity", "-Infinity"
 
 
-def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """The body as a dict; 400 for bad UTF-8, bad JSON, a non-object or bad strings."""
+def parse_json_object(raw: bytes, max_values: int | None = None) -> dict[str, Any]:
+    """The body as a dict; 400 for bad UTF-8, bad JSON, a non-object, bad strings, or
+    more than ``max_values`` values."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise bad("the body is not valid UTF-8") from None
+    if max_values is not None:
+        check_value_count(text, max_values)
     try:
         body = json.loads(text, parse_constant=_non_finite, object_pairs_hook=_object)
     except RecursionError:

@@ -1,5 +1,6 @@
 """One API request's trace: the root span (OpenTelemetry GenAI conventions) and its
-``tokenize`` and ``api.respond`` children, plus the ids its log lines carry.
+``structured_output.compile``, ``tokenize`` and ``api.respond`` children, plus the ids
+its log lines carry.
 
 With tracing off every method is a no-op, but the request still gets a W3C trace id
 (the client's ``traceparent`` if it sent one) so that its log lines in every service
@@ -20,7 +21,8 @@ class RequestTrace:
     """Spans of one request in the API process (``span`` is None when not recording)."""
 
     def __init__(self, tracer, operation: str, model: str, req_id: str,
-                 client_traceparent: str | None, params: SamplingParams):
+                 client_traceparent: str | None, params: SamplingParams,
+                 lora_name: str | None = None):
         self.tracer = tracer
         self.span = None
         self._respond = None
@@ -34,6 +36,8 @@ class RequestTrace:
                 f"{operation} {model}", context=context_from_traceparent(client_traceparent),
                 kind=_server_kind(), start_time=self._start_ns,
                 attributes=_request_attributes(operation, model, req_id, params))
+            if lora_name is not None:
+                self.span.set_attribute("folio.lora_adapter", lora_name)
             self.traceparent = traceparent_of(self.span)
         else:
             self.traceparent = (client_traceparent if parse_traceparent(client_traceparent)
@@ -45,16 +49,20 @@ class RequestTrace:
         return self.tracer.start_span(name, context=trace.set_span_in_context(self.span), **kw)
 
     @contextlib.contextmanager
-    def tokenize(self):
-        """Span around the chat template and tokenization."""
+    def child(self, name: str):
+        """A child span of the request (None when not recording), ended on exit."""
         if self.span is None:
             yield None
             return
-        span = self._child("tokenize")
+        span = self._child(name)
         try:
             yield span
         finally:
             span.end()
+
+    def tokenize(self):
+        """Span around the chat template and tokenization."""
+        return self.child("tokenize")
 
     def start_respond(self, num_prompt_tokens: int, stream: bool) -> None:
         """The request reached the engine: from here to the finish is api.respond."""

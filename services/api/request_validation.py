@@ -10,8 +10,11 @@ text/token_span.py) before tokenization, and its token count is checked again af
 (:meth:`RequestValidator.check_prompt_ids`).
 
 Fields OpenAI defines that Folio does not serve (``echo``, ``suffix``, ``logit_bias``,
-``tools``...) are refused when set to anything but their default (services/api/fields.py)
-rather than silently ignored; other unknown fields are ignored, as vLLM does.
+``best_of``) are refused when set to anything but their default (services/api/fields.py)
+rather than silently ignored; other unknown fields are ignored, as vLLM does. The
+fields that constrain the output (``response_format``, ``structured_outputs``,
+``guided_*``, ``tools``/``tool_choice``) are read by services/api/structured_request.py;
+their grammar is compiled before the request reaches the engine (grammar_check.py).
 ``cache_salt`` is refused: the server derives it from the caller's API key
 (services/api/auth.py) and never takes it from a client.
 """
@@ -21,9 +24,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from config.schema import APIConfig
-from engine_core.sampling_params import InvalidRequestError, SamplingParams
+from engine_core.sampling_params import MAX_LOGIT_BIAS, InvalidRequestError, SamplingParams
+from services.api.completion_choices import ResponseOptions
 from services.api.fields import INT64, NUMBER, Range, check_refused, token_ids, typed
 from services.api.openai_protocol import APIError, bad
+from services.api.structured_request import StructuredRequest, structured_request
 from text.chat_template import ChatTemplateError, validate_messages
 from text.token_span import TokenSpan
 
@@ -46,18 +51,22 @@ class ValidationLimits:
     max_model_len: int
     vocab_size: int
     max_n: int = 16
+    max_batch_prompts: int = 64
     max_stop_strings: int = 16
     max_logprobs: int = 20
     max_stop_string_chars: int = 1024
     max_stop_token_ids: int = 256  # never above vocab_size (from_config sees to that)
     token_span: TokenSpan | None = None  # None: no cheap bound on a text's token count
+    max_grammar_chars: int = 65536
 
     @classmethod
     def from_config(cls, api: APIConfig, max_model_len: int, vocab_size: int,
                     token_span: TokenSpan | None) -> "ValidationLimits":
-        return cls(max_model_len, vocab_size, api.max_n, api.max_stop_strings,
+        return cls(max_model_len, vocab_size, api.max_n, api.max_batch_prompts,
+                   api.max_stop_strings,
                    api.max_logprobs, api.max_stop_string_chars,
-                   min(api.max_stop_token_ids, vocab_size), token_span)
+                   min(api.max_stop_token_ids, vocab_size), token_span,
+                   api.max_grammar_chars)
 
 
 @dataclass(slots=True)
@@ -67,10 +76,23 @@ class CheckedRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
-    prompt: str | list[int] | None = None  # completions
+    prompts: list[str | list[int]] | None = None  # completions: texts or token ids
     max_tokens_param: str = "max_tokens"  # the field that set params.max_tokens
     messages: list[dict[str, Any]] | None = None  # chat
     add_generation_prompt: bool = True
+    structured: StructuredRequest | None = None  # what the output must match
+    tools: list[dict[str, Any]] | None = None  # chat: rendered by templates that know them
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats
+    options: ResponseOptions = ResponseOptions()  # what the answer shows
+    truncate_prompt_tokens: int | None = None  # keep at most this many prompt tokens
+    truncation_side: str = "left"  # "left": keep the prompt's end; "right": its start
+
+    def truncated(self, ids: list[int]) -> list[int]:
+        """The prompt's ids as ``truncate_prompt_tokens`` and ``truncation_side`` say."""
+        keep = self.truncate_prompt_tokens
+        if keep is None or len(ids) <= keep:
+            return ids
+        return ids[-keep:] if self.truncation_side == "left" else ids[:keep]
 
 
 class RequestValidator:
@@ -82,7 +104,8 @@ class RequestValidator:
     def _token_ids(self, value: Any, key: str, max_count: int | None = None) -> list[int]:
         return token_ids(value, key, self.limits.vocab_size, max_count)
 
-    def sampling_params(self, body: dict, *, chat: bool) -> SamplingParams:
+    def sampling_params(self, body: dict, *, chat: bool,
+                        structured: StructuredRequest | None = None) -> SamplingParams:
         """Validated SamplingParams from an OpenAI completion or chat body."""
         lim = self.limits
         check_refused(body)
@@ -97,6 +120,10 @@ class RequestValidator:
         for key in ("max_tokens", "max_completion_tokens")[:1 + chat]:
             if body.get(key) is not None:
                 kwargs["max_tokens"] = typed(body, key, (int,), Range(1, INT64.hi))
+        if body.get("prompt_logprobs") is not None:
+            kwargs["prompt_logprobs"] = self._prompt_logprobs(body)
+        if body.get("logit_bias") is not None:
+            kwargs["logit_bias"] = self._logit_bias(body["logit_bias"]) or None
         if body.get("min_tokens") is not None:
             kwargs["min_tokens"] = typed(body, "min_tokens", (int,),
                                          Range(0, lim.max_model_len))
@@ -108,10 +135,50 @@ class RequestValidator:
         if body.get("user") is not None:
             typed(body, "user", (str,))
         self._logprobs(body, chat, kwargs)
+        if structured is not None:
+            kwargs["structured_outputs"] = structured.params
         try:
             return SamplingParams(**kwargs)
         except InvalidRequestError as e:
             raise bad(str(e), e.param) from None
+
+    def _logit_bias(self, bias: Any) -> dict[int, float]:
+        """OpenAI's ``{"token id": bias}``: ids in the vocabulary, biases in [-100, 100]."""
+        vocab = self.limits.vocab_size
+        if not isinstance(bias, dict):
+            raise bad("'logit_bias' must map token ids to numbers", "logit_bias")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise bad(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries", "logit_bias")
+        checked = {}
+        for key, value in bias.items():
+            if not (key.isascii() and key.isdigit()) or len(key) > 12:
+                raise bad(f"'logit_bias' keys must be token ids, got {key[:20]!r}",
+                          "logit_bias")
+            token_id = int(key)
+            if token_id >= vocab:
+                raise bad(f"'logit_bias' holds token id {token_id}, outside the vocabulary "
+                          f"of {vocab} tokens (ids 0 to {vocab - 1})", "logit_bias")
+            checked[token_id] = typed({"logit_bias": value}, "logit_bias", NUMBER,
+                                      Range(-100.0, 100.0))
+        return checked
+
+    def _prompt_logprobs(self, body: dict) -> int:
+        top = typed(body, "prompt_logprobs", (int,), Range(-1, self.limits.max_logprobs))
+        if top == -1:
+            raise bad("'prompt_logprobs' -1 (the whole vocabulary at every prompt "
+                      f"position) is not served; ask for at most {self.limits.max_logprobs}",
+                      "prompt_logprobs")
+        return top
+
+    def _options(self, body: dict, params: SamplingParams, echo: bool,
+                 discard_output: bool) -> ResponseOptions:
+        flags = {key: typed(body, key, (bool,)) if body.get(key) is not None else False
+                 for key in ("return_token_ids", "return_tokens_as_token_ids")}
+        return ResponseOptions(echo=echo, discard_output=discard_output,
+                               num_logprobs=params.logprobs,
+                               num_prompt_logprobs=params.prompt_logprobs,
+                               return_token_ids=flags["return_token_ids"],
+                               tokens_as_token_ids=flags["return_tokens_as_token_ids"])
 
     def _stop(self, stop: Any) -> list[str]:
         """One string or a bounded list of them, each non-empty and bounded: one pass."""
@@ -147,37 +214,97 @@ class RequestValidator:
             kwargs["logprobs"] = 0
 
     def completion(self, body: dict) -> CheckedRequest:
-        """A completion body: one prompt (text or token ids) and its sampling. A text
-        prompt that cannot fit the context is refused here, before it is tokenized."""
-        stream, include_usage = stream_flags(body)
-        params = self.sampling_params(body, chat=False)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
+        """A completion body: its prompts (one text or token-id list, or a list of them)
+        and their sampling. A text prompt that cannot fit the context is refused here,
+        before it is tokenized. ``echo`` with ``max_tokens`` 0 runs one token and shows
+        none (services/api/completion_choices.py)."""
+        stream, include_usage, continuous = stream_flags(body)
+        structured = structured_request(body, chat=False,
+                                        max_chars=self.limits.max_grammar_chars)
+        echo = typed(body, "echo", (bool,)) if body.get("echo") is not None else False
+        discard = echo and body.get("max_tokens") is not None and typed(
+            body, "max_tokens", (int,)) == 0
+        params = self.sampling_params({**body, "max_tokens": 1} if discard else body,
+                                      chat=False, structured=structured)
+        options = self._options(body, params, echo, discard)
+        if echo and params.logprobs is not None:  # the prompt's own tokens get scored
+            params = params.clone(prompt_logprobs=max(params.logprobs,
+                                                      params.prompt_logprobs or 0))
+        keep, side = self._truncation(body)
+        return CheckedRequest(params, stream, include_usage,
+                              prompts=self._prompts(body.get("prompt"), keep is None),
+                              structured=structured, continuous_usage=continuous,
+                              options=options, truncate_prompt_tokens=keep,
+                              truncation_side=side)
+
+    def _truncation(self, body: dict) -> tuple[int | None, str]:
+        """vLLM's ``truncate_prompt_tokens`` (-1: the context less one token for the
+        output) and ``truncation_side``."""
+        keep, side = None, "left"
+        if body.get("truncate_prompt_tokens") is not None:
+            keep = typed(body, "truncate_prompt_tokens", (int,),
+                         Range(-1, self.limits.max_model_len - 1))
+            if keep == 0:
+                raise bad("'truncate_prompt_tokens' must be -1 or at least 1",
+                          "truncate_prompt_tokens")
+            keep = self.limits.max_model_len - 1 if keep == -1 else keep
+        if body.get("truncation_side") is not None:
+            side = typed(body, "truncation_side", (str,))
+            if side not in ("left", "right"):
+                raise bad("'truncation_side' must be \"left\" or \"right\"",
+                          "truncation_side")
+        return keep, side
+
+    def _prompts(self, prompt: Any, bound_text: bool = True) -> list[str | list[int]]:
+        """``prompt`` as a list of prompts: a text, a token-id list, or a non-empty list
+        of either (OpenAI's batch); each checked like a single prompt."""
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) > self.limits.max_batch_prompts:
+                raise bad(f"'prompt' may hold at most {self.limits.max_batch_prompts} "
+                          f"prompts", "prompt")
+            batch = prompt
+        else:
+            batch = [prompt]
+        for one in batch:
+            self._prompt(one, bound_text)
+        return batch
+
+    def _prompt(self, prompt: Any, bound_text: bool) -> None:
+        """``bound_text`` False (truncation asked for): a long prompt is cut, not refused
+        (the body's size still bounds the work)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise bad("'prompt' must not be empty", "prompt")
-            self.check_prompt_text(prompt, "prompt")
+            if bound_text:
+                self.check_prompt_text(prompt, "prompt")
         elif isinstance(prompt, list) and prompt and not isinstance(prompt[0], (str, list)):
-            if len(prompt) >= self.limits.max_model_len:  # before touching each element
+            if bound_text and len(prompt) >= self.limits.max_model_len:
                 raise bad(_too_many_tokens(len(prompt), self.limits.max_model_len), "prompt")
             self._token_ids(prompt, "prompt")
         else:
-            raise bad("'prompt' must be a non-empty string or list of token ids (batches of "
-                      "several prompts are not served)", "prompt")
-        return CheckedRequest(params, stream, include_usage, prompt=prompt)
+            raise bad("'prompt' must be a non-empty string, a list of token ids, or a "
+                      "non-empty list of those", "prompt")
 
     def chat(self, body: dict) -> CheckedRequest:
         """A chat body: the conversation's shape and its sampling."""
-        stream, include_usage = stream_flags(body)
-        params = self.sampling_params(body, chat=True)
+        stream, include_usage, continuous = stream_flags(body)
+        structured = structured_request(body, chat=True,
+                                        max_chars=self.limits.max_grammar_chars)
+        params = self.sampling_params(body, chat=True, structured=structured)
+        echo = typed(body, "echo", (bool,)) if body.get("echo") is not None else False
+        options = self._options(body, params, echo, False)
+        keep, side = self._truncation(body)
         messages = checked_messages(body.get("messages"))
         add = (typed(body, "add_generation_prompt", (bool,))
                if body.get("add_generation_prompt") is not None else True)
         param = ("max_completion_tokens" if body.get("max_completion_tokens") is not None
                  else "max_tokens")
+        tools = body.get("tools") if structured is not None and structured.tools else None
         return CheckedRequest(params, stream, include_usage, messages=messages,
-                              add_generation_prompt=add, max_tokens_param=param)
+                              add_generation_prompt=add, max_tokens_param=param,
+                              structured=structured, tools=tools,
+                              continuous_usage=continuous, options=options,
+                              truncate_prompt_tokens=keep, truncation_side=side)
 
     def check_prompt_text(self, text: str, param: str, room: int = 1) -> None:
         """400 naming ``param`` when ``text`` must become more than max_model_len - room
@@ -223,27 +350,42 @@ def checked_messages(messages: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def stream_flags(body: dict) -> tuple[bool, bool]:
-    """(stream, include_usage); ``stream_options`` is only allowed with ``stream``."""
+def stream_flags(body: dict) -> tuple[bool, bool, bool]:
+    """(stream, include_usage, continuous_usage_stats); ``stream_options`` is only
+    allowed with ``stream``, and holds only those two booleans."""
     stream = typed(body, "stream", (bool,)) if body.get("stream") is not None else False
     options = body.get("stream_options")
     if options is None:
-        return stream, False
+        return stream, False, False
     if not stream:
         raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
-    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False),
-                                                        bool):
-        raise bad("'stream_options' must be {\"include_usage\": bool}", "stream_options")
-    return stream, bool(options.get("include_usage", False))
+    known = ("include_usage", "continuous_usage_stats")
+    if not isinstance(options, dict) or set(options) - set(known) or not all(
+            isinstance(options.get(k, False), bool) for k in known):
+        raise bad("'stream_options' must be {\"include_usage\": bool, "
+                  "\"continuous_usage_stats\": bool}", "stream_options")
+    return stream, bool(options.get("include_usage", False)), bool(
+        options.get("continuous_usage_stats", False))
 
 
-def check_model(body: dict, served_name: str) -> None:
-    """404 naming ``model`` unless it is absent or the served model's name."""
+MAX_MODEL_NAME_CHARS = 256
+
+
+def check_model(body: dict, served_name: str, allow_adapters: bool = False) -> str | None:
+    """The LoRA adapter ``model`` names, None for the served model (or none named).
+
+    Without adapters any other name is a 404 here; with them the engine core, the one
+    registry of adapters, answers an unknown name with the same 404."""
     model = body.get("model")
-    if model is None:
-        return
+    if model is None or model == served_name:
+        return None
     if not isinstance(model, str):
         raise bad("'model' must be a string", "model")
-    if model != served_name:
-        raise APIError(404, f"model {model[:100]!r} does not exist", "not_found_error",
-                       "model", "model_not_found")
+    if not allow_adapters or not 0 < len(model) <= MAX_MODEL_NAME_CHARS:
+        raise model_not_found(model)
+    return model
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(404, f"model {model[:100]!r} does not exist", "not_found_error",
+                    "model", "model_not_found")

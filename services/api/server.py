@@ -46,7 +46,7 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
                        served_model_name(config.model.path, config.model.served_model_name),
                        facts.max_model_len, tracer=tracing.tracer,
                        enable_metrics=config.observability.enable_metrics,
-                       api=config.api, api_keys=api_keys)
+                       api=config.api, api_keys=api_keys, lora=config.lora)
     admin = api_admin_endpoint(services, args.index)
     endpoints = [admin] if admin is not None else []
     sockets = []

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from config.schema import FolioConfig
 from engine_core.engine import EngineCore
-from engine_core.outputs import EngineCoreOutput
+from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.scheduler_output import SchedulerOutput
 from observability.logging import get_logger
 from observability.metrics import EngineMetrics
@@ -29,8 +29,12 @@ class EngineObserver:
 
     def __init__(self, config: FolioConfig, model_name: str, tracing: Tracing | None = None):
         obs = config.observability
-        self.metrics = EngineMetrics(model_name) if obs.enable_metrics else None
-        self.tracer = (EngineTracer(tracing.tracer, obs.trace_step_detail)
+        lora, spec = config.lora, config.speculative
+        self.metrics = EngineMetrics(
+            model_name, max_loras=lora.max_loras if lora.enable_lora else None,
+            num_spec_positions=spec.num_speculative_tokens if spec.is_enabled else 0,
+            prefix=obs.metrics_prefix) if obs.enable_metrics else None
+        self.tracer = (EngineTracer(tracing.tracer, obs.trace_step_detail, spec.is_enabled)
                        if tracing is not None and tracing.enabled else None)
         self._ids: dict[str, _RequestIds] = {}  # sample id → ids for log lines
 
@@ -43,9 +47,11 @@ class EngineObserver:
             if self.metrics is not None:
                 self.metrics.on_add(sample_id, message.arrival_time, num_prompt)
             if self.tracer is not None:
-                self.tracer.on_add(sample_id, message.traceparent, num_prompt)
+                self.tracer.on_add(sample_id, message.traceparent, num_prompt,
+                                   message.lora_name)
         log.info("request added", request_id=message.req_id, trace_id=trace_id,
-                 num_prompt_tokens=num_prompt, n=len(sample_ids))
+                 num_prompt_tokens=num_prompt, n=len(sample_ids),
+                 lora_adapter=message.lora_name)
 
     def begin_step(self, so: SchedulerOutput) -> tuple[str | None, dict[str, str]]:
         """Before the worker runs ``so``: the traceparents ExecuteStep should carry."""
@@ -60,11 +66,13 @@ class EngineObserver:
         return self.tracer.begin_step(so)
 
     def end_step(self, so: SchedulerOutput, outputs: list[EngineCoreOutput],
-                 engine: EngineCore) -> None:
+                 engine: EngineCore, runner_output: ModelRunnerOutput | None = None) -> None:
         if self.tracer is not None:
-            self.tracer.end_step(so, outputs)
+            self.tracer.end_step(so, outputs, engine.last_draft_outcomes())
         if self.metrics is not None:
             self.metrics.on_step(so, outputs, engine.get_stats())
+            if runner_output is not None:
+                self.metrics.on_structured_output(runner_output.structured_output)
         for out in outputs:
             if out.finished:
                 ids = self._ids.pop(out.req_id, None)

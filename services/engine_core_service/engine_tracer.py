@@ -7,7 +7,9 @@
        ├─ engine.queue                  (engine)  waiting for a slot (again after preemption)
        ├─ engine.prefill / engine.decode (engine) per step (trace_step_detail: step) or per
        │                                          phase (phase); tokens, new blocks, prefix
-       │                                          hits; linked to the engine.step span
+       │                                          hits, draft tokens proposed and accepted
+       │                                          (speculative decoding); linked to the
+       │                                          engine.step span
        └─ worker.add_request            (worker)  the worker building the request's state
 
     engine.step                         (engine)  one traced step, its own trace, linked
@@ -25,6 +27,7 @@ from typing import Any
 
 from engine_core.outputs import EngineCoreOutput
 from engine_core.scheduler_output import SchedulerOutput
+from engine_core.spec.speculator import DraftOutcome
 from observability.tracing import context_from_traceparent, is_sampled, traceparent_of
 
 
@@ -39,6 +42,8 @@ class _RequestTrace:
     num_phase_steps: int = 0
     num_phase_tokens: int = 0
     num_phase_blocks: int = 0
+    num_phase_draft_tokens: int = 0
+    num_phase_accepted_tokens: int = 0
     last_end_ns: int | None = None
     is_requeued: bool = False  # queued again after a preemption
     num_output_tokens: int = 0
@@ -48,11 +53,14 @@ class _RequestTrace:
 class EngineTracer:
     """Creates and ends the engine core's spans as requests and steps go by."""
 
-    def __init__(self, tracer, step_detail: str = "step"):
+    def __init__(self, tracer, step_detail: str = "step", record_drafts: bool = False):
+        """``record_drafts``: speculative decoding is on, so every engine.decode span
+        carries its request's draft tokens proposed and accepted (0 when none)."""
         from opentelemetry import trace
         self._trace = trace
         self.tracer = tracer
         self.per_step = step_detail == "step"
+        self.record_drafts = record_drafts
         self.requests: dict[str, _RequestTrace] = {}
         self._step_span = None
         self._step_start_ns = 0
@@ -60,13 +68,16 @@ class EngineTracer:
     def _child_context(self, span):
         return self._trace.set_span_in_context(span)
 
-    def on_add(self, req_id: str, traceparent: str | None, num_prompt_tokens: int) -> None:
+    def on_add(self, req_id: str, traceparent: str | None, num_prompt_tokens: int,
+               lora_name: str | None = None) -> None:
         if not is_sampled(traceparent):
             return
+        attributes = {"folio.request_id": req_id, "gen_ai.usage.input_tokens": num_prompt_tokens}
+        if lora_name is not None:
+            attributes["folio.lora_adapter"] = lora_name
         span = self.tracer.start_span(
             "engine.request", context=context_from_traceparent(traceparent),
-            attributes={"folio.request_id": req_id,
-                        "gen_ai.usage.input_tokens": num_prompt_tokens})
+            attributes=attributes)
         rt = _RequestTrace(span, traceparent_of(span), num_prompt_tokens)
         rt.queue_span = self.tracer.start_span("engine.queue",
                                                context=self._child_context(span))
@@ -109,8 +120,12 @@ class EngineTracer:
                     rt.is_requeued = False
         return traceparent_of(self._step_span), request_traceparents
 
-    def end_step(self, so: SchedulerOutput, outputs: list[EngineCoreOutput]) -> None:
+    def end_step(self, so: SchedulerOutput, outputs: list[EngineCoreOutput],
+                 draft_outcomes: dict[str, DraftOutcome] | None = None) -> None:
+        """Close the step: per-request phase spans (``draft_outcomes``: the drafts each
+        request verified in it), first-token events, finished requests."""
         end_ns = time.time_ns()
+        draft_outcomes = draft_outcomes or {}
         if self._step_span is not None:
             step_link = self._trace.Link(self._step_span.get_span_context())
             computed = {n.req_id: (n.num_computed_tokens, len(n.block_ids))
@@ -122,7 +137,8 @@ class EngineTracer:
                 if rt is not None:
                     num_computed, num_new_blocks = computed.get(req_id, (0, 0))
                     self._record_step(rt, num_tokens, num_computed, num_new_blocks,
-                                      so.num_cached_tokens.get(req_id), step_link, end_ns)
+                                      so.num_cached_tokens.get(req_id), step_link, end_ns,
+                                      draft_outcomes.get(req_id))
             self._step_span.end(end_time=end_ns)
             self._step_span = None
         for out in outputs:
@@ -136,7 +152,8 @@ class EngineTracer:
                 self._finish(out, rt, end_ns)
 
     def _record_step(self, rt: _RequestTrace, num_tokens: int, num_computed: int,
-                     num_new_blocks: int, num_cached: int | None, step_link, end_ns: int):
+                     num_new_blocks: int, num_cached: int | None, step_link, end_ns: int,
+                     drafts: DraftOutcome | None = None):
         phase = "prefill" if num_computed < rt.num_prompt_tokens else "decode"
         if self.per_step or rt.phase != phase:
             self._end_phase(rt)
@@ -145,6 +162,7 @@ class EngineTracer:
                 f"engine.{phase}", context=self._child_context(rt.span),
                 start_time=self._step_start_ns, links=[step_link])
             rt.num_phase_steps = rt.num_phase_tokens = rt.num_phase_blocks = 0
+            rt.num_phase_draft_tokens = rt.num_phase_accepted_tokens = 0
             rt.links = []
         elif len(rt.links) < 32:  # a phase span links its first 32 steps
             rt.links.append(step_link)
@@ -157,6 +175,13 @@ class EngineTracer:
                              "folio.num_new_blocks": rt.num_phase_blocks})
         if num_cached is not None:
             span.set_attribute("folio.num_cached_tokens", num_cached)
+        if self.record_drafts and phase == "decode":
+            drafts = drafts or DraftOutcome(0, 0)
+            rt.num_phase_draft_tokens += drafts.num_draft_tokens
+            rt.num_phase_accepted_tokens += drafts.num_accepted_tokens
+            span.set_attributes({"folio.spec.num_draft_tokens": rt.num_phase_draft_tokens,
+                                 "folio.spec.num_accepted_tokens":
+                                     rt.num_phase_accepted_tokens})
         rt.last_end_ns = end_ns
         if self.per_step:
             self._end_phase(rt)

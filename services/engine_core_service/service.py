@@ -18,11 +18,15 @@ hung worker; the loop fails, /health answers 503 and the process exits 1.
 Health: API processes never ask; engine_health.py pushes them snapshots.
 Frames: a step too large for one frame travels in several (step_frames.py); a request
 that could never travel is refused when it is added.
+LoRA: the engine core is the registry of adapters; engine_lora.py answers the API's
+load/unload/list requests and relays load commands and results to and from the worker.
+A step that can run nothing while adapters load waits for a wake-up, never spins.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import sys
 from collections import defaultdict
@@ -31,6 +35,7 @@ from aiohttp import web
 
 from config.schema import FolioConfig
 from engine_core.engine import EngineCore
+from engine_core.lora_registry import UnknownLoRAError
 from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.sampling_params import InvalidRequestError
 from model_files.paths import served_model_name
@@ -41,10 +46,13 @@ from services.entrypoint import (StopSignal, first_completed, log_ready, run_ser
 from observability.tracing import Tracing
 from services.engine_core_service.api_clients import APIClients, send_to_client
 from services.engine_core_service.engine_health import EngineHealth
+from services.engine_core_service.engine_lora import EngineLoRA
 from services.engine_core_service.engine_observer import EngineObserver
 from services.engine_core_service.step_frames import refusal_param, step_frames
-from services.protocol import (AbortRequest, AddRequest, ExecuteStep, GetMetrics, Metrics,
-                               OutputDelta, RequestRejected, StepResult, WorkerReady)
+from services.protocol import (AbortRequest, AddRequest, ExecuteStep, GetMetrics,
+                               ListLoRAAdapters, LoadLoRAAdapter, LoRALoadFinished, Metrics,
+                               OutputDelta, RequestRejected, StepResult, UnloadLoRAAdapter,
+                               WorkerReady)
 from services.transport import (MAX_FRAME_BYTES, Endpoint, PeerLink, connect, start_site,
                                 websocket_route)
 
@@ -75,6 +83,7 @@ class EngineCoreService:
         self.failure: BaseException | None = None
         self.ready: WorkerReady | None = None
         self.clients: APIClients | None = None  # made with the engine
+        self.lora: EngineLoRA | None = None  # made with the engine
         self.step_timeout_s = config.services.step_timeout_s
         self.health = EngineHealth(self)
         self.max_frame_bytes = MAX_FRAME_BYTES  # what the worker accepts in one frame
@@ -89,8 +98,11 @@ class EngineCoreService:
         if not isinstance(ready, WorkerReady):
             raise WorkerFailure(f"worker's first frame was {type(ready).__name__}")
         self.engine = EngineCore.from_model_facts(self.config.scheduler, self.config.cache,
-                                                  ready.facts, executor=None)
+                                                  ready.facts, executor=None,
+                                                  lora_config=self.config.lora,
+                                                  speculative_config=self.config.speculative)
         self.clients = APIClients(self.engine)
+        self.lora = EngineLoRA(self.engine)
         self._reader = asyncio.get_running_loop().create_task(self._read_worker(messages))
         self.ready = ready
         self.observer = EngineObserver(
@@ -103,6 +115,10 @@ class EngineCoreService:
 
     async def _read_worker(self, messages) -> None:
         async for message in messages:
+            if isinstance(message, LoRALoadFinished):  # arrives between step results
+                self.lora.results.append(message.result)
+                self._wake.set()
+                continue
             await self._worker_replies.put(message)
         await self._worker_replies.put(None)  # the link closed
 
@@ -113,11 +129,14 @@ class EngineCoreService:
             await self.clients.join(link)
             await self.health.send_to(link)
             async for message in link.messages():
-                if isinstance(message, (AddRequest, AbortRequest)):
+                if isinstance(message, (AddRequest, AbortRequest, LoadLoRAAdapter,
+                                        UnloadLoRAAdapter)):
                     self.inbox.append((link, message))
                     self._wake.set()
                 elif isinstance(message, GetMetrics):
                     await link.send(Metrics(self.observer.render_metrics()))
+                elif isinstance(message, ListLoRAAdapters):
+                    await link.send(self.lora.list_reply(message))
         finally:
             self.clients.leave(link)
         aborted = [r for r, owner in self.owner.items() if owner is link]
@@ -130,6 +149,9 @@ class EngineCoreService:
         for link, message in inbox:
             if isinstance(message, AbortRequest):
                 self.engine.abort_request(message.req_ids)
+                continue
+            if isinstance(message, (LoadLoRAAdapter, UnloadLoRAAdapter)):
+                await self.lora.on_request(link, message)
                 continue
             refusal = self.engine.queue_rejection(len(message.prompt_token_ids))
             if refusal is not None:
@@ -144,10 +166,12 @@ class EngineCoreService:
             try:
                 sample_ids = self.engine.add_request(
                     message.req_id, message.prompt_token_ids, message.sampling_params,
-                    cache_salt=message.cache_salt, lora_id=message.lora_id,
+                    cache_salt=message.cache_salt, lora_id=self.lora.lora_id_of(message.lora_name),
                     tenant=message.tenant, tenant_weight=message.tenant_weight)
             except InvalidRequestError as e:
-                await send_to_client(link, RequestRejected(message.req_id, str(e), e.param))
+                code = "model_not_found" if isinstance(e, UnknownLoRAError) else None
+                await send_to_client(link, RequestRejected(message.req_id, str(e), e.param,
+                                                           code))
                 continue
             for sample_id in sample_ids:
                 self.owner[sample_id] = link
@@ -197,19 +221,24 @@ class EngineCoreService:
         The health publisher runs beside it (and says so when it fails)."""
         publisher = asyncio.get_running_loop().create_task(self.health.publish_forever())
         try:
+            is_stalled = False  # the last step ran nothing (requests wait for adapters)
             while True:
-                if not self.inbox and not self.engine.has_unfinished_requests():
+                if not self.inbox and not self.lora.results and (
+                        is_stalled or not self.engine.has_unfinished_requests()):
                     self._wake.clear()
-                    await self._wake.wait()
-                    self.health.on_wake()
+                    await self._idle(is_stalled)
                 await self._apply_inbox()
+                await self.lora.apply_results(self.owner)
                 scheduler_output = self.engine.begin_step()
+                await self.lora.send_commands(self._worker)
                 traceparents = self.observer.begin_step(scheduler_output)
-                runner_output = (await self._execute(scheduler_output, *traceparents)
-                                 if self.engine.needs_worker(scheduler_output)
-                                 else ModelRunnerOutput())
+                is_stalled = not self.engine.needs_worker(scheduler_output)
+                runner_output = (ModelRunnerOutput() if is_stalled else
+                                 await self._execute(scheduler_output, *traceparents))
                 outputs = self.engine.end_step(scheduler_output, runner_output)
-                self.observer.end_step(scheduler_output, outputs, self.engine)
+                await self.lora.send_commands(self._worker)  # evictions of idle adapters
+                is_stalled = is_stalled and not outputs
+                self.observer.end_step(scheduler_output, outputs, self.engine, runner_output)
                 await self._route(outputs)
                 await self.clients.publish()
                 self.health.on_step()
@@ -222,6 +251,13 @@ class EngineCoreService:
             if self.failure is not None and not isinstance(self.failure,
                                                            asyncio.CancelledError):
                 await self.health.publish(force=True)  # every API process: 503 now
+
+    async def _idle(self, is_stalled: bool) -> None:
+        """Sleep until an add, an abort or a load result wakes the loop (stalled on
+        loading adapters: at most a second, in case a wake-up was missed)."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), 1.0 if is_stalled else None)
+        self.health.on_wake()
 
     async def close(self, timeout: float = 1.0) -> None:
         """Close the worker link (the client links close with the site). A hung worker

@@ -3,12 +3,16 @@
 It loads the model and allocates the KV cache at start-up, then announces the pool
 with WorkerReady as the first frame of every engine-core link. All torch work runs on
 one dedicated thread so the event loop still answers health probes while the forward
-pass runs (torch releases the GIL inside its kernels).
+pass runs (torch releases the GIL inside its kernels). LoRA adapters load on their own
+thread (worker/lora/lora_manager.py); each finished load is reported with a
+LoRALoadFinished as soon as it is done, between step results. Evictions run between
+steps: this handler takes one message at a time.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import contextvars
 import sys
 import time
@@ -24,8 +28,8 @@ from observability.tracing import Tracing, context_from_traceparent
 from services.endpoints import worker_endpoint
 from services.entrypoint import (StopSignal, first_completed, log_ready, run_service,
                                  service_arguments)
-from services.protocol import (ExecuteStep, Health, Shutdown, StageNewRequests, StepResult,
-                               WorkerReady)
+from services.protocol import (ApplyLoRACommands, ExecuteStep, Health, LoRALoadFinished,
+                               Shutdown, StageNewRequests, StepResult, WorkerReady)
 from services.transport import PeerLink, start_site, websocket_route
 from worker.bootstrap import bootstrap_model
 
@@ -52,6 +56,7 @@ class WorkerService:
         self.num_steps = 0
         # New requests staged for a step too large for one frame, until its ExecuteStep.
         self._staged: dict[int, list] = {}
+        self._reports: set[asyncio.Task] = set()  # LoRALoadFinished frames being sent
 
     async def handle(self, link: PeerLink) -> None:
         """Serve one engine-core link until it closes."""
@@ -65,6 +70,8 @@ class WorkerService:
                 reply = (message if isinstance(message, StepResult) else
                          await loop.run_in_executor(self._pool, self._execute, message))
                 await link.send(reply)
+            elif isinstance(message, ApplyLoRACommands):
+                self._apply_lora(link, message)
             elif isinstance(message, Health):
                 await link.send(Health(True, {"steps": str(self.num_steps)}))
             elif isinstance(message, Shutdown):
@@ -73,6 +80,29 @@ class WorkerService:
                 return
             else:
                 log.warning("unexpected message for the worker", type=type(message).__name__)
+
+    def _apply_lora(self, link: PeerLink, message: ApplyLoRACommands) -> None:
+        lora = self.runner.lora
+        if lora is None:
+            log.warning("LoRA commands for a worker without LoRA (lora.enable_lora)")
+            return
+        loop = asyncio.get_running_loop()
+
+        async def send(result) -> None:
+            with contextlib.suppress(ConnectionError, RuntimeError):  # engine core gone
+                await link.send(LoRALoadFinished(result))
+
+        def report(result) -> None:  # on the loader thread: hand over to the event loop
+            def start() -> None:
+                task = loop.create_task(send(result))
+                self._reports.add(task)  # held until sent
+                task.add_done_callback(self._reports.discard)
+            loop.call_soon_threadsafe(start)
+
+        for lora_id in message.evictions:
+            lora.evict(lora_id)
+        for load in message.loads:
+            lora.start_load(load, report)
 
     def _unstage(self, message: ExecuteStep) -> ExecuteStep | StepResult:
         """The step with its staged new requests back in front (an error StepResult if

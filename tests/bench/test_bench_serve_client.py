@@ -39,7 +39,7 @@ def test_stale_keepalive_connections_are_retried_not_counted_as_failures():
         port = server.sockets[0].getsockname()[1]
         requests = [BenchRequest(prompt="x", prompt_len=1, output_len=1)] * 40
         async with server:
-            records, _ = await run_load(f"http://127.0.0.1:{port}", "m", requests,
+            records, _, _ = await run_load(f"http://127.0.0.1:{port}", "m", requests,
                                         LoadSpec(max_concurrency=1))
         return records, served
 

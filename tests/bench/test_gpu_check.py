@@ -3,8 +3,9 @@
 It builds the wheel folder from the package index, checks its size and tags, installs
 it as the GPU machine would, then runs the kernel tests (interpreted), the offline
 sm_90 compile, the worker tests (the GPU ones skip), parity against Hugging Face and
-both benchmarks on 2-layer versions of the random checkpoints. It ends with one JSON
-summary, checked here section by section.
+both benchmarks on 2-layer versions of the random checkpoints, then the LoRA kernels and
+the LoRA benchmark (tiny model). It ends with one JSON summary, checked here section by
+section.
 """
 import json
 import os
@@ -17,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = ["preflight", "wheels-build", "wheels", "kernels", "compile", "worker", "parity",
-            "bench-small", "bench-1b"]
+            "bench-small", "bench-1b", "lora-kernels", "lora-bench"]
 
 
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils' timeout")
@@ -51,3 +52,6 @@ def test_gpu_check_dry_run(tmp_path, gpu_wheel_folder):
         for row in bench["decode_step_ms"].values():
             assert row["eager"] > 0 and row["parts"]["eager"]["sample"] > 0
         assert bench["folio"]["output_tok_s"] > 0 and bench["hf_generate"]["output_tok_s"] > 0
+    lora = headline["lora"]  # the multi-LoRA benchmark, on the tiny model
+    assert all(lora["tok_s"][k] > 0 for k in ("base", "mixed", "naive"))
+    assert details["lora"]["mixed"]["output_tokens"] == details["lora"]["base"]["output_tokens"]

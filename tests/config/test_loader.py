@@ -16,6 +16,10 @@ def test_default_file_loads_and_each_section_is_typed():
     assert c.model.path == "default"
     assert c.scheduler.policy == "fcfs" and c.memory.block_size == 16
     assert c.cache.enable_prefix_caching is True
+    assert c.speculative.method == "none" and c.speculative.enable_adaptive is True
+    spec = load_config(overrides={"speculative_method": "ngram", "num_speculative_tokens": 3},
+                       use_env=False).speculative
+    assert (spec.method, spec.num_speculative_tokens, spec.is_enabled) == ("ngram", 3, True)
 
 
 def test_set_env_and_keyword_overrides_in_order(tmp_path):
@@ -44,6 +48,12 @@ def test_environment_is_read(monkeypatch, tmp_path):
     ("memory:\n  block_size: 12\n", "memory.block_size"),
     ("cache:\n  enable_prefix_caching: maybe\n", "cache.enable_prefix_caching"),
     ("model:\n  dtype: int4\n", "model.dtype"),
+    ("speculative:\n  method: medusa\n", "speculative.method"),
+    ("speculative:\n  num_speculative_tokens: 0\n", "speculative.num_speculative_tokens"),
+    ("speculative:\n  prompt_lookup_min: 4\n  prompt_lookup_max: 3\n",
+     "speculative.prompt_lookup_max"),
+    ("speculative:\n  method: draft_model\n", "speculative.draft_model"),
+    ("speculative:\n  disable_by_batch_size: 0\n", "speculative.disable_by_batch_size"),
 ])
 def test_bad_keys_and_values_name_key_and_file(tmp_path, text, key):
     path = write(tmp_path, text)

@@ -42,13 +42,15 @@ def make_engine(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 
                 max_num_batched_tokens: int = 16, max_num_seqs: int = 8,
                 enable_chunked_prefill: bool = True, policy: str = "fcfs",
                 enable_prefix_caching: bool = True, eos_token_ids=(), vocab_size=None,
-                token_fn=default_token_fn) -> EngineCore:
-    executor = FakeExecutor(block_size, token_fn)
+                token_fn=default_token_fn, speculative_config=None,
+                draft_fn=None) -> EngineCore:
+    executor = FakeExecutor(block_size, token_fn, draft_fn)
     return EngineCore(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                         enable_chunked_prefill=enable_chunked_prefill, policy=policy),
         CacheConfig(enable_prefix_caching=enable_prefix_caching),
-        num_blocks, block_size, max_model_len, executor, eos_token_ids, vocab_size)
+        num_blocks, block_size, max_model_len, executor, eos_token_ids, vocab_size,
+        speculative_config=speculative_config)
 
 
 def run_step(scheduler: Scheduler, executor: FakeExecutor):

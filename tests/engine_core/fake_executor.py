@@ -6,6 +6,11 @@ computed tokens reached the end of their known tokens) and models the K/V cache:
 every slot it computes holds a fingerprint of the token prefix ending there (and the
 LoRA id), and before sampling it checks every slot the request attends to. Stale,
 overwritten or wrongly shared blocks therefore fail the test that produced them.
+
+Speculative decoding: drafts (from the SchedulerOutput, or from ``draft_fn`` when the
+engine core left them to the worker) are written like any token, then verified
+greedily against ``token_fn``: the accepted ones plus the model's own next token come
+back, and the rejected ones' slots are forgotten.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from engine_core.outputs import ModelRunnerOutput
 from engine_core.scheduler_output import SchedulerOutput
 
 TokenFn = Callable[[list[int]], int]
+DraftFn = Callable[[list[int], int], list[int]]  # (tokens, k) -> k drafts
 
 
 def default_token_fn(tokens: list[int]) -> int:
@@ -41,9 +47,12 @@ class _RunnerState:
 class FakeExecutor:
     """Implements ``ModelExecutor`` over a simulated paged K/V cache."""
 
-    def __init__(self, block_size: int, token_fn: TokenFn = default_token_fn):
+    def __init__(self, block_size: int, token_fn: TokenFn = default_token_fn,
+                 draft_fn: DraftFn | None = None):
         self.block_size = block_size
         self.token_fn = token_fn
+        self.draft_fn = draft_fn
+        self.drafts: dict[str, list[int]] = {}  # this step's drafts per request
         self.states: dict[str, _RunnerState] = {}
         self.kv: dict[int, dict[int, int]] = {}  # block id -> slot -> fingerprint
         self.outputs: list[SchedulerOutput] = []
@@ -61,9 +70,20 @@ class FakeExecutor:
         for cached in so.scheduled_cached_reqs:
             state = self.states[cached.req_id]
             assert state.num_computed_tokens == cached.num_computed_tokens, cached.req_id
+            if cached.num_dropped_blocks:
+                del state.block_ids[-cached.num_dropped_blocks:]
+            assert len(state.block_ids) * self.block_size >= state.num_computed_tokens
             state.block_ids.extend(cached.new_block_ids)
         for copy in so.blocks_to_copy:
             self.kv[copy.dst] = dict(self.kv.get(copy.src, {}))
+        self.drafts = {}
+        for req_id, k in so.num_spec_tokens.items():
+            tokens = self.states[req_id].tokens
+            drafts = so.spec_token_ids.get(req_id)
+            self.drafts[req_id] = list(drafts if drafts is not None
+                                       else self.draft_fn(list(tokens), k))
+            assert len(self.drafts[req_id]) == k, req_id
+            tokens.extend(self.drafts[req_id])  # provisionally, until verified
         self._write(so)
         return self._sample(so)
 
@@ -73,6 +93,8 @@ class FakeExecutor:
             state = self.states[req_id]
             end = state.num_computed_tokens + num_tokens
             assert end <= len(state.tokens), f"{req_id}: scheduled past its known tokens"
+            assert req_id not in self.drafts or end == len(state.tokens), \
+                f"{req_id}: drafts must end the scheduled chunk"
             assert len(state.block_ids) * bs >= end, f"{req_id}: no slot for a token"
             for pos in range(state.num_computed_tokens, end):
                 self.kv.setdefault(state.block_ids[pos // bs], {})[pos % bs] = \
@@ -90,12 +112,29 @@ class FakeExecutor:
                 got = self.kv.get(state.block_ids[pos // bs], {}).get(pos % bs)
                 assert got == state.fingerprint(pos), \
                     f"{req_id}: wrong K/V at position {pos} (block {state.block_ids[pos // bs]})"
-            token = self.token_fn(state.tokens)
-            state.tokens.append(token)
+            tokens = self._verify(state, self.drafts.get(req_id, []))
             out.req_ids.append(req_id)
-            out.sampled_token_ids.append([token])
+            out.sampled_token_ids.append(tokens)
             out.logprobs.append(None)
         return out
+
+    def _verify(self, state: _RunnerState, drafts: list[int]) -> list[int]:
+        """Greedy verification: accepted drafts plus the next token; state rolled back
+        over the rejected drafts."""
+        known = state.tokens[:len(state.tokens) - len(drafts)]
+        emitted = []
+        for draft in drafts:
+            token = self.token_fn(known + emitted)
+            emitted.append(token)
+            if token != draft:
+                break
+        else:
+            emitted.append(self.token_fn(known + emitted))
+        num_rejected = len(drafts) - (len(emitted) - 1)
+        state.num_computed_tokens -= num_rejected
+        del state.fingerprints[state.num_computed_tokens:]
+        state.tokens = known + emitted
+        return emitted
 
 
 def reference_output(prompt: list[int], max_tokens: int, token_fn: TokenFn = default_token_fn,

@@ -17,7 +17,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPECTED = {"_ragged_paged_attention_kernel", "_merge_splits_kernel",
-            "_reshape_and_cache_kernel", "_rms_norm_kernel", "_rotary_kernel"}
+            "_reshape_and_cache_kernel", "_rms_norm_kernel", "_rotary_kernel",
+            "_lora_shrink_kernel", "_lora_expand_kernel"}
 
 
 def test_kernels_compile_for_sm90_as_launched_live():

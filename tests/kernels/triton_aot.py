@@ -33,14 +33,17 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from kernels import reshape_and_cache, rms_norm, rotary_embedding  # noqa: E402
+from kernels import lora_expand, lora_shrink, reshape_and_cache, rms_norm  # noqa: E402
+from kernels import rotary_embedding  # noqa: E402
+from kernels.lora_mapping import make_lora_mapping  # noqa: E402
 from kernels import triton_paged_attention as tpa  # noqa: E402
 from tests.kernels.cubin_resources import cubin_resources  # noqa: E402
 
 _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 KERNELS = [(tpa, "_ragged_paged_attention_kernel"), (tpa, "_merge_splits_kernel"),
            (reshape_and_cache, "_reshape_and_cache_kernel"), (rms_norm, "_rms_norm_kernel"),
-           (rotary_embedding, "_rotary_kernel")]
+           (rotary_embedding, "_rotary_kernel"), (lora_shrink, "_lora_shrink_kernel"),
+           (lora_expand, "_lora_expand_kernel")]
 
 
 @dataclass(slots=True)
@@ -105,6 +108,21 @@ def _call_launchers(device: str) -> None:
                  torch.empty(2, 3, 64, dtype=torch.bfloat16, device=device),
                  torch.empty(2, 1, 32, dtype=torch.bfloat16, device=device))
     rotary_embedding.rotary_embedding_triton(q, k, cos, cos)
+    _call_lora_launchers(device)
+
+
+def _call_lora_launchers(device: str) -> None:
+    """LoRA shrink and expand on SmolLM2's q/k/v (rank 16: three slices of 16 over 576
+    inputs, the q slice's 576 columns of the 960 out), slots stored transposed as the
+    worker stores them, in the served bf16 and the reference float32."""
+    mapping = make_lora_mapping([0, -1, 1], [0, 1, 2, 5], torch.device(device))
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.empty(5, 576, dtype=dtype, device=device)
+        a = torch.empty(4, 576, 48, dtype=dtype, device=device).transpose(1, 2)
+        xa = lora_shrink.lora_shrink_triton(x, a, mapping)
+        y = torch.empty(5, 960, dtype=dtype, device=device)
+        b = torch.empty(4, 16, 960, dtype=dtype, device=device).transpose(1, 2)
+        lora_expand.lora_expand_triton(y[:, :576], xa[:, :16], b[:, :576], mapping)
 
 
 def record_launches(device: str = "cpu", live: bool = False) -> list[Launch]:

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 from dataclasses import dataclass, field
 
+from config.lora import LoRAConfig
 from config.schema import APIConfig
 from engine_core.model_facts import ModelFacts
 from engine_core.outputs import EngineCoreOutput, FinishReason
@@ -34,6 +35,7 @@ class FakeEngine:
     script: object | None = None
     aborted: list = field(default_factory=list)
     tenants: list = field(default_factory=list)  # (tenant, weight) of each add
+    lora_names: list = field(default_factory=list)  # the LoRA adapter of each add
     queue_state: QueueState = field(default_factory=lambda: QueueState(is_full=False))
     # what fresh_health() returns: None plays a dead link or a stale snapshot
     health: HealthSnapshot | None = field(default_factory=lambda: HealthSnapshot(
@@ -43,11 +45,12 @@ class FakeEngine:
         self.dead = asyncio.Event()
 
     async def add(self, req_id, ids, params, traceparent=None, cache_salt=None,
-                  tenant=None, tenant_weight=1.0):
+                  tenant=None, tenant_weight=1.0, lora_name=None):
         if self.fail_with is not None:
             raise self.fail_with
         self.added.append((req_id, list(ids), params, cache_salt))
         self.tenants.append((tenant, tenant_weight))
+        self.lora_names.append(lora_name)
         queue: asyncio.Queue = asyncio.Queue()
         if self.script is not None:
             for out in self.script(req_id, params):
@@ -77,12 +80,14 @@ class FakeEngine:
 @contextlib.asynccontextmanager
 async def api_server(tokenizer, api: APIConfig | None = None, keys: tuple[str, ...] = (),
                      max_model_len: int = 128, tracer=None, enable_metrics: bool = True,
-                     engine: FakeEngine | None = None):
-    """Yield (base URL, FakeEngine) of an API served on 127.0.0.1 with ``api``'s limits."""
+                     engine: FakeEngine | None = None, lora: LoRAConfig | None = None):
+    """Yield (base URL, FakeEngine) of an API served on 127.0.0.1 with ``api``'s limits
+    (and ``lora``'s adapter settings)."""
     api = api or APIConfig()
     engine = engine or FakeEngine()
     server = APIServer(engine, tokenizer, "folio-tiny", max_model_len, tracer=tracer,
-                       enable_metrics=enable_metrics, api=api, api_keys=APIKeys(keys))
+                       enable_metrics=enable_metrics, api=api, api_keys=APIKeys(keys),
+                       lora=lora)
     runner = await serve_api(server.app(), api, [Endpoint(host="127.0.0.1", port=0)])
     port = runner.addresses[0][1]
     try:

@@ -1,6 +1,7 @@
 """Run `folio serve` as a real process for end-to-end tests, and look at its children."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -94,3 +95,23 @@ class ServeProcess:
                 if is_running(pid):
                     os.kill(pid, signal.SIGKILL)
             raise
+
+
+@contextlib.contextmanager
+def running(config: Path, log_dir: Path):
+    """``folio serve`` on ``config``, ready; checks it exits 0 when the block ends."""
+    serve = ServeProcess(config, log_dir)
+    try:
+        serve.wait_ready()
+        yield serve
+    finally:
+        assert serve.stop() == 0, serve.output()[-3000:]
+
+
+def serving_default_model(tmp_path: Path, **model_settings):
+    """``running`` on the default model with a 64 MiB KV pool (settings go to the
+    ``model`` section)."""
+    config = write_config(tmp_path / "folio.yaml", "default", None,
+                          model={**model_settings, "served_model_name": None},
+                          memory={"num_blocks": None, "kv_cache_bytes": 64 * 1024 ** 2})
+    return running(config, tmp_path)

@@ -358,7 +358,20 @@ def test_duplicate_key_check_keeps_the_body_guarantees():
         parse_json_object(b'{"a": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
 
 
-def test_closes_are_logged_one_line_per_reason_per_interval():
+@pytest.fixture
+def debug_level():
+    """Debug lines reach capture_logs whatever level an earlier test configured (the
+    level filter is structlog's wrapper class, which capture_logs leaves in place)."""
+    import logging
+
+    import structlog
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG))
+    yield
+    structlog.configure(**saved)
+
+
+def test_closes_are_logged_one_line_per_reason_per_interval(debug_level):
     async def main():
         guard = ConnectionGuard(APIConfig(), log_interval_s=0.3)
         with capture_logs() as logs:
@@ -381,7 +394,7 @@ def test_bad_connection_limits_are_config_errors(field, value):
         APIConfig(**{field: value})
 
 
-def test_routine_idle_closes_are_debug_lines_and_an_idle_flood_warns():
+def test_routine_idle_closes_are_debug_lines_and_an_idle_flood_warns(debug_level):
     async def main():
         guard = ConnectionGuard(APIConfig(), log_interval_s=0.3)
         with capture_logs() as logs:

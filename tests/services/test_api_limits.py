@@ -85,3 +85,39 @@ def test_413_comes_before_the_body_and_the_connection_is_not_kept(smollm_tokeniz
             writer.close()
             assert engine.added == []
     asyncio.run(main())
+
+
+def test_a_body_with_too_many_json_values_is_refused_before_parsing(smollm_tokenizer):
+    """Issue 14: 4 MiB of ``stop_token_ids`` (two million items) cost the event loop
+    166 ms of json.loads per request; past ``max_json_values`` it is a 400 without a
+    parse, while commas inside strings never count."""
+    limits = APIConfig(max_json_values=1024, max_body_bytes=1 << 20)
+    ids = ",".join(["1"] * 5000)
+    flood = b'{"prompt": "Hi", "stop_token_ids": [' + ids.encode() + b"]}"
+    commas = json.dumps({"prompt": "Hi", "user": "a, " * 5000 + "\\\",",
+                         "max_tokens": 2}).encode()
+
+    async def main():
+        async with api_server(smollm_tokenizer, limits) as (url, engine):
+            status, err = error_of(*await raw_exchange(url, request(body=flood)))
+            assert status == 400 and "max_json_values" in err["message"]
+            ok, body = await raw_exchange(url, request(body=commas))
+            assert ok == 200, body[:300]
+            assert len(engine.added) == 1
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("text,refused", [
+    ("[" + ",".join(["1"] * 2000) + "]", True),
+    ('{"a": [' + ",".join(["1"] * 1023) + "]}", False),
+    (json.dumps(["x,y" * 3, ',"' * 600, "\\" * 5] * 200), False),  # 599 values
+    (json.dumps(["x,y"] * 1100), True),
+])
+def test_value_count_ignores_commas_in_strings(text, refused):
+    from services.api.openai_protocol import APIError
+    from services.api.request_body import check_value_count
+    if refused:
+        with pytest.raises(APIError):
+            check_value_count(text, 1024)
+    else:
+        check_value_count(text, 1024)

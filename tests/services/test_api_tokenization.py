@@ -157,3 +157,32 @@ def test_a_role_cannot_forge_a_turn(smollm_tokenizer):
                     assert status == 400 and body["error"]["param"] == "messages", body
             assert engine.added == []
     run(main())
+
+
+def test_long_texts_are_tokenized_at_a_lower_cpu_priority(smollm_tokenizer):
+    """A long text runs on the low-priority lane, so on a busy machine it cannot take
+    the CPU from model execution or from ordinary prompts, which keep their priority."""
+    import os
+    import threading
+
+    from services.api.tokenizer_pool import LONG_TEXT_CHARS, LONG_TEXT_NICENESS, TokenizerPool
+
+    pool = TokenizerPool(smollm_tokenizer, num_threads=1)
+
+    def nice_of_this_thread(_text="", _special=True):
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    pool.tokenizer = type("Probe", (), {"encode": staticmethod(nice_of_this_thread)})()
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+
+    async def main():
+        short = await pool.encode("x" * 100)
+        long = await pool.encode("x" * (LONG_TEXT_CHARS + 1))
+        return short, long
+    try:
+        short, long = asyncio.run(main())
+    finally:
+        pool.close()
+    assert short == base
+    assert long == min(19, base + LONG_TEXT_NICENESS)
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "false"  # no Rayon threads at nice 0

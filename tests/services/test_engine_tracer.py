@@ -13,12 +13,12 @@ from services.engine_core_service.engine_tracer import EngineTracer
 MAX_TOKENS = 12
 
 
-def run_traced(llm, detail, prompts):
+def run_traced(llm, detail, prompts, record_drafts=False):
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("test")
-    engine_tracer = EngineTracer(tracer, detail)
+    engine_tracer = EngineTracer(tracer, detail, record_drafts)
     root = tracer.start_span("root")
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     engine = llm.engine
@@ -30,7 +30,8 @@ def run_traced(llm, detail, prompts):
         engine_tracer.begin_step(so)
         runner_output = (llm.runner.execute_model(so) if engine.needs_worker(so)
                          else ModelRunnerOutput())
-        engine_tracer.end_step(so, engine.end_step(so, runner_output))
+        engine_tracer.end_step(so, engine.end_step(so, runner_output),
+                               engine.last_draft_outcomes())
     root.end()
     assert not engine_tracer.requests  # every request's spans were closed
     return exporter.get_finished_spans()
@@ -78,3 +79,21 @@ def test_preemption_events_and_a_second_queue_span(make_tiny_llm):
         assert events.index("preempted") < events.index("resumed")
         queues = children_of(spans, req, "engine.queue")
         assert len(queues) == 1 + events.count("preempted")
+
+
+@pytest.mark.parametrize("detail", ["step", "phase"])
+def test_decode_spans_carry_draft_tokens_proposed_and_accepted(make_tiny_llm,
+                                                               tiny_llama_draft_dir, detail):
+    llm = make_tiny_llm(speculative_method="draft_model", num_speculative_tokens=3,
+                        speculative_draft_model=str(tiny_llama_draft_dir),
+                        **{"speculative.enable_adaptive": False})
+    spans = run_traced(llm, detail, [list(range(100, 120))], record_drafts=True)
+    decode = [s for s in spans if s.name == "engine.decode"]
+    proposed = [s.attributes["folio.spec.num_draft_tokens"] for s in decode]
+    accepted = [s.attributes["folio.spec.num_accepted_tokens"] for s in decode]
+    assert sum(proposed) == llm.engine.get_stats().spec_decode.num_draft_tokens > 0
+    assert accepted == proposed  # the model drafting for itself
+    if detail == "step":  # 11 tokens after the first: 3 + 1 per step, then 2 + 1
+        assert proposed == [3, 3, 2] and len(decode) == 3
+    assert all("folio.spec.num_draft_tokens" not in s.attributes
+               for s in spans if s.name == "engine.prefill")

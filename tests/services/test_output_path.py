@@ -61,10 +61,10 @@ class ScriptedEngine:
     def __init__(self, tokenizer):
         self.tokenizer, self.steps, self.aborted = tokenizer, [], []
 
-    def validate_request(self, ids, params):
+    def validate_request(self, ids, params, lora_id=0):
         return params
 
-    def add_request(self, req_id, ids, params):
+    def add_request(self, req_id, ids, params, lora_id=0):
         self.steps = _script(self.tokenizer, req_id)
         return [f"{i}_{req_id}" for i in range(params.n)]
 

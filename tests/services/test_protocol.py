@@ -7,6 +7,7 @@ from engine_core.outputs import EngineCoreOutput, FinishReason, ModelRunnerOutpu
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler_output import (BlockCopy, CachedRequestData, NewRequestData,
                                           SchedulerOutput)
+from engine_core.structured_outputs import StructuredOutputReport
 from engine_core.worker_sampling import WorkerSamplingParams
 from services.protocol import (PROTOCOL_VERSION, AbortRequest, AddRequest, ExecuteStep,
                                Health, HealthSnapshot, OutputDelta, ProtocolError,
@@ -17,12 +18,21 @@ PARAMS = SamplingParams(temperature=0.7, top_k=5, stop=["\n\n"], seed=3, max_tok
                         logprobs=2, min_tokens=1, stop_token_ids=[4, 9, 7])
 WORKER_PARAMS = WorkerSamplingParams.from_params(PARAMS)
 NEW = NewRequestData("r1", [1, 2, 3], 3, WORKER_PARAMS, [5, 6], 0)
+CONSTRAINED = SamplingParams(n=2, structured_outputs={"json": {"type": "object", "properties": {
+    "b": {"type": "integer"}, "a": {"enum": ["x", "y"]}}}, "strict": False})
 LOGPROBS = TokenLogprobs(token_id=7, logprob=-0.25, rank=1, top_token_ids=[7, 8],
                          top_logprobs=[-0.25, -1.5])
 
 MESSAGES = [
     AddRequest("r1", [1, 2, 3], PARAMS, client_id="api-0", arrival_time=12.5,
                cache_salt="tenant-a", traceparent="00-" + "a" * 32 + "-" + "b" * 16 + "-01"),
+    AddRequest("r3", [4, 5], CONSTRAINED, client_id="api-1", arrival_time=1.0),
+    AddRequest("r4", [4], SamplingParams(structured_outputs={"choice": ["a", "b"]}),
+               client_id="api-1", arrival_time=1.0),
+    StageNewRequests(3, [NewRequestData("0_r3", [4, 5], 2, WorkerSamplingParams.from_params(
+        CONSTRAINED), [1], 0)]),
+    StepResult(3, ModelRunnerOutput(["r4"], [[7]], [None], StructuredOutputReport(
+        deferred_req_ids=["0_r3"], compile_seconds=[0.002], num_cache_hits=1))),
     AbortRequest(["r1", "0_r2"]),
     OutputDelta([EngineCoreOutput("r1", [7], [LOGPROBS], FinishReason.STOP, stop_reason=2,
                                   num_cached_tokens=16, parent_req_id="p", index=1),
@@ -33,9 +43,15 @@ MESSAGES = [
         num_scheduled_tokens={"r1": 3, "r0": 1}, total_num_scheduled_tokens=4,
         finished_req_ids={"gone"}, blocks_to_copy=[BlockCopy(5, 8)],
         num_cached_tokens={"r1": 0}), num_staged_new_reqs=2),
+    ExecuteStep(5, SchedulerOutput(  # speculative decoding: drafts, dropped blocks
+        scheduled_cached_reqs=[CachedRequestData("r0", [9, 10], 31, num_dropped_blocks=1),
+                               CachedRequestData("r1", [], 12)],
+        num_scheduled_tokens={"r0": 5, "r1": 3}, total_num_scheduled_tokens=8,
+        num_spec_tokens={"r0": 4, "r1": 2}, spec_token_ids={"r0": [3, 1, 4, 1]})),
     StageNewRequests(4, [NEW, NEW]),
     HealthSnapshot(True, {"num_running": 2.0, "num_referenced_blocks": 7.0}),
     StepResult(4, ModelRunnerOutput(["r1"], [[7]], [[LOGPROBS]])),
+    StepResult(6, ModelRunnerOutput(["r0", "r1"], [[3, 1, 5], [8]], [None, None])),
     StepResult(5, ModelRunnerOutput(), error="worker failed"),
     Health(True, {"num_running": 3.0, "kv_cache_usage": 0.25}),
     RequestRejected("r9", "max_tokens must be at least 1", "max_tokens"),
@@ -100,3 +116,10 @@ def test_token_id_lists_decode_to_their_declared_containers():
     assert decode(encode(ExecuteStep(1, SchedulerOutput(
         scheduled_new_reqs=[NEW])))).scheduler_output.scheduled_new_reqs[0] \
         .sampling_params.stop_token_ids == WORKER_PARAMS.stop_token_ids
+
+
+def test_a_malformed_grammar_in_a_frame_is_a_protocol_error():
+    plain = msgpack.unpackb(encode(MESSAGES[1]))
+    plain["body"]["sampling_params"]["structured_outputs"]["choice"] = []
+    with pytest.raises(ProtocolError):
+        decode(msgpack.packb(plain))

@@ -10,7 +10,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.services.serve_process import ServeProcess, write_config
+from tests.services.serve_process import running, write_config
 from tests.services.test_serve_e2e import MODEL
 from tests.services.test_serve_reliability import health, session
 
@@ -109,8 +109,5 @@ def test_full_queue_answers_503_with_retry_after_then_recovers(long_context_mode
         scheduler={"max_num_seqs": 2, "max_num_queued_requests": 4,
                    "max_num_queued_tokens": 200},
         services={"num_api_servers": 2})
-    serve = ServeProcess(config, tmp_path)
-    try:
-        asyncio.run(_fill_and_drain(serve.wait_ready()))
-    finally:
-        assert serve.stop() == 0, serve.output()[-3000:]
+    with running(config, tmp_path) as serve:
+        asyncio.run(_fill_and_drain(serve.url))

@@ -5,7 +5,7 @@ import asyncio
 import openai
 
 from engine_core.sampling_params import SamplingParams
-from tests.services.serve_process import ServeProcess, write_config
+from tests.services.serve_process import serving_default_model
 
 SETTINGS = dict(dtype="float32", max_model_len=1024)
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
@@ -22,12 +22,7 @@ def test_default_model_greedy_over_http_equals_offline(tmp_path):
     completions = [o.outputs[0].text for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
     del llm
 
-    config = write_config(tmp_path / "folio.yaml", "default", None,
-                          model={**SETTINGS, "served_model_name": None},
-                          memory={"num_blocks": None, "kv_cache_bytes": 64 * 1024 ** 2})
-    serve = ServeProcess(config, tmp_path)
-    try:
-        serve.wait_ready()
+    with serving_default_model(tmp_path, **SETTINGS) as serve:
 
         async def main():
             c = openai.AsyncOpenAI(base_url=serve.url + "/v1", api_key="none")
@@ -42,5 +37,3 @@ def test_default_model_greedy_over_http_equals_offline(tmp_path):
             assert [r.choices[0].text for r in done] == completions
             assert "Paris" in chats[0]
         asyncio.run(main())
-    finally:
-        assert serve.stop() == 0, serve.output()[-3000:]

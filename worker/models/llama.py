@@ -8,6 +8,7 @@ projections are fused into one matmul each.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,9 @@ from kernels.rotary_embedding import rotary_embedding
 from worker.models.architecture import ModelArchitecture
 from worker.models.linear import Linear, k_major, linear, use_k_major_weights, wants_k_major
 from worker.models.rotary_embedding import RotaryAngles, RotaryEmbedding
+
+if TYPE_CHECKING:
+    from worker.lora.lora_step import LoRALayer, LoRAStep
 
 
 @dataclass(slots=True)
@@ -58,16 +62,22 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, arch.hidden_size, bias=False)
         self.scale = self.head_dim ** -0.5
 
-    def forward(self, angles: RotaryAngles, hidden, kv_cache, ctx: AttentionContext):
+    def forward(self, angles: RotaryAngles, hidden, kv_cache, ctx: AttentionContext,
+                lora: LoRALayer | None = None):
         qkv = self.qkv_proj(hidden)
+        if lora is not None:
+            lora.add("qkv_proj", hidden, qkv)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         q, k = rotary_embedding(q, k, angles.cos, angles.sin)
         reshape_and_cache(k, v, kv_cache, ctx.slot_mapping)
-        out = paged_attention(q, k, v, kv_cache, ctx.plan, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = paged_attention(q, k, v, kv_cache, ctx.plan, self.scale).reshape(-1, self.q_size)
+        y = self.o_proj(out)
+        if lora is not None:
+            lora.add("o_proj", out, y)
+        return y
 
 
 class LlamaMLP(nn.Module):
@@ -79,9 +89,16 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
-    def forward(self, x):
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x, lora: LoRALayer | None = None):
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            lora.add("gate_up_proj", x, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        y = self.down_proj(h)
+        if lora is not None:
+            lora.add("down_proj", h, y)
+        return y
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -94,15 +111,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, angles, hidden, residual, kv_cache, ctx):
+    def forward(self, angles, hidden, residual, kv_cache, ctx, lora=None):
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(angles, hidden, kv_cache, ctx)
+        hidden = self.self_attn(angles, hidden, kv_cache, ctx, lora)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -126,13 +143,16 @@ class LlamaForCausalLM(nn.Module):
         self.head_choice = None  # the head's measured LinearChoice (linear_backend.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], ctx: AttentionContext) -> torch.Tensor:
-        """Hidden states ``[num_tokens, hidden]`` after the final norm."""
+                kv_caches: list[torch.Tensor], ctx: AttentionContext,
+                lora: LoRAStep | None = None) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden]`` after the final norm; ``lora``: the
+        step's adapters (worker/lora/lora_step.py), None when no row has one."""
         hidden = self.embed_tokens(input_ids)
         angles = self.rotary(positions, hidden.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden, residual = layer(angles, hidden, residual, kv_cache, ctx)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            hidden, residual = layer(angles, hidden, residual, kv_cache, ctx,
+                                     lora.layer(i) if lora is not None else None)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -1,0 +1,148 @@
+"""Issue 17, worker side: masks touch only constrained rows, a step without them pays
+nothing, a request waits for its grammar (deferred) without holding the batch, and a
+sample's matcher accepts, validates (drafts), rolls back and replays (preemption).
+End-to-end runs are in tests/test_structured_output.py."""
+import threading
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+import torch
+
+from engine_core.structured_outputs import StructuredOutputsParams
+from engine_core.worker_sampling import WorkerSamplingParams
+from text.grammar_compiler import GrammarError, allocate_bitmask
+from worker.request_state import CachedRequestState
+from worker.structured_output import StructuredOutputManager
+from worker.structured_output.grammar_step import disallowed_tokens, mask_rows
+from worker.structured_output.request_grammar import RequestGrammar
+
+VOCAB = 49152
+EOS = (2,)
+CHOICE = StructuredOutputsParams(choice=["alpha", "beta"])
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}},
+          "required": ["name"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def manager(smollm_tokenizer):
+    m = StructuredOutputManager(VOCAB, EOS)
+    m.use_tokenizer(smollm_tokenizer, EOS)
+    return m
+
+
+def state(req_id: str, grammar=None, outputs=()) -> CachedRequestState:
+    params = WorkerSamplingParams(grammar=grammar.spec if grammar is not None else None)
+    return CachedRequestState(req_id, [5, 6, *outputs], 2, params, [1], 2, None)
+
+
+def test_masks_touch_only_constrained_rows_and_free_steps_pay_nothing(manager):
+    states = [state("free0"), state("c", CHOICE), state("free1")]
+    assert manager.begin_step([states[0], states[2]]) is None
+    manager.validate(CHOICE.spec)
+    step = manager.begin_step(states)
+    logits = torch.randn(3, VOCAB)
+    before = logits.clone()
+    out, kept = step.apply(logits, states)
+    assert kept == states and torch.equal(out[0], before[0]) and torch.equal(out[2], before[2])
+    allowed = torch.isfinite(out[1]).nonzero().flatten().tolist()
+    texts = {manager.compiler.tokenizer.decode([t]) for t in allowed}
+    assert texts and all("alpha".startswith(t) or "beta".startswith(t) for t in texts)
+    token = allowed[0]
+    step.accept([11, token, 12])  # only the constrained row's matcher moves
+    assert states[1].grammar.validate([token]) == 0 or len(allowed) > 1
+
+
+def test_the_bitmask_unpacks_to_the_tokens_it_names():
+    words = np.zeros((2, 3), dtype=np.int32)
+    words[0, 0] = 1 << 5
+    words[1, 2] = -(1 << 31)  # bit 31 of word 2: token 95
+    banned = disallowed_tokens(words, 70)
+    assert banned.shape == (2, 70)
+    assert np.flatnonzero(~banned[0]).tolist() == [5]
+    assert np.flatnonzero(~banned[1]).tolist() == []  # 95 lies past the 70 rows
+    assert np.flatnonzero(~disallowed_tokens(words, 96)[1]).tolist() == [95]
+    for logits in (torch.randn(3, 70), torch.randn(3, 70, dtype=torch.bfloat16)):
+        before = logits.clone()
+        mask_rows(logits, [2, 0], banned)  # the torch path serves other dtypes/devices
+        assert torch.equal(logits[1], before[1])
+        assert torch.isfinite(logits[2]).nonzero().flatten().tolist() == [5]
+        assert torch.isinf(logits[0]).all()
+
+
+def allowed(bitmask) -> list[int]:
+    return np.flatnonzero(~disallowed_tokens(bitmask, VOCAB)[0]).tolist()
+
+
+def test_a_request_still_compiling_is_deferred_without_holding_the_others(
+        smollm_tokenizer):
+    gate = threading.Event()
+    slow = StructuredOutputManager(VOCAB, EOS)
+    slow.use_tokenizer(smollm_tokenizer, EOS)
+    compile_now = slow._compile
+    slow.cache._compile = lambda spec: gate.wait(30) and compile_now(spec)
+    states = [state("free"), state("c", CHOICE)]
+    step = slow.begin_step(states)
+    logits = torch.randn(2, VOCAB)
+    out, kept = step.apply(logits, states)
+    assert [s.req_id for s in kept] == ["free"] and out.shape == (1, VOCAB)
+    assert slow.take_report(step).deferred_req_ids == ["c"]
+    gate.set()
+    slow.cache.get(CHOICE.spec).result(timeout=30)
+    step = slow.begin_step(states)
+    out, kept = step.apply(torch.randn(2, VOCAB), states)
+    assert len(kept) == 2 and torch.isinf(out[1]).sum() > VOCAB - 100
+    report = slow.take_report(step)
+    assert report.deferred_req_ids == [] and len(report.compile_seconds) == 1
+
+
+def test_request_grammar_accepts_validates_rolls_back_and_replays(manager,
+                                                                  smollm_tokenizer):
+    spec = StructuredOutputsParams(regex=r"[0-9]{2}-[0-9]{2}").spec
+    manager.validate(spec)
+    ids = smollm_tokenizer.encode("12-34", add_special_tokens=False)
+    grammar = RequestGrammar("r", manager.cache.get(spec), [], EOS)
+    assert grammar.is_ready and grammar.validate(ids + [7]) == len(ids)
+    assert grammar.accept(ids[:2]) and not grammar.is_complete
+    grammar.rollback(2)
+    assert grammar.accept(ids) and grammar.is_complete
+    assert grammar.accept([EOS[0]])  # EOS ends a complete output
+    resumed = RequestGrammar("r", manager.cache.get(spec), ids[:3], EOS)
+    assert resumed.is_ready and resumed.validate(ids[3:]) == len(ids) - 3
+    bad = RequestGrammar("b", manager.cache.get(spec), [], EOS)
+    assert bad.is_ready and not bad.accept(smollm_tokenizer.encode("x", False))
+    bitmask = allocate_bitmask(1, VOCAB)
+    failed = Future()
+    failed.set_exception(GrammarError("no"))
+    broken = RequestGrammar("f", failed, [], EOS)
+    for g in (bad, broken):
+        assert g.is_ready and g.failed
+        g.fill(bitmask, 0)
+        assert allowed(bitmask) == list(EOS)
+
+
+def test_draft_masks_follow_the_accepted_drafts_and_leave_the_matcher(manager,
+                                                                      smollm_tokenizer):
+    spec = StructuredOutputsParams(choice=["cat", "car"]).spec
+    manager.validate(spec)
+    grammar = RequestGrammar("d", manager.cache.get(spec), [], EOS)
+    assert grammar.is_ready
+    c, a = (smollm_tokenizer.encode(x, add_special_tokens=False)[0] for x in ("c", "a"))
+    wrong = smollm_tokenizer.encode("x", add_special_tokens=False)[0]
+    bitmask = allocate_bitmask(4, VOCAB)
+    assert grammar.fill_drafts(bitmask, 0, [c, a, wrong]) == 2
+    assert c in allowed(bitmask[0:1]) and a in allowed(bitmask[1:2])
+    texts = {smollm_tokenizer.decode([t]) for t in allowed(bitmask[2:3])}
+    assert texts and texts <= {"t", "r"}
+    assert len(allowed(bitmask[3:4])) == VOCAB  # past the rejected draft: untouched
+    assert grammar.validate([c, a]) == 2  # the matcher is back at the start
+
+
+def test_validate_raises_for_a_bad_grammar_and_caches_good_ones(manager):
+    with pytest.raises(GrammarError):
+        manager.validate(StructuredOutputsParams(regex="(unclosed").spec)
+    with pytest.raises(GrammarError):  # the failed verdict is cached too
+        manager.validate(StructuredOutputsParams(regex="(unclosed").spec)
+    spec = StructuredOutputsParams(json=PERSON).spec
+    manager.validate(spec)
+    assert spec in manager.cache

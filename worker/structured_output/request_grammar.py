@@ -1,0 +1,124 @@
+"""One sample's grammar state in the worker: its own matcher, advanced token by token.
+
+    template (GrammarCache) ──deep_copy──▶ matcher ──replay outputs──▶ ready
+                                                    (a request resumed after preemption
+                                                     has tokens already; a new one none)
+Invariant: the matcher has consumed exactly the sample's output tokens, so its next
+mask is the set of tokens the grammar allows now (EOS only once it is complete). A
+token the mask did not allow is never given to it: llguidance would enter a permanent
+error state. Should that happen anyway (or the grammar fail to compile, or exceed its
+limits mid-way), the sample is ``failed`` and its mask allows only EOS: it ends.
+
+Speculative decoding: ``validate`` says how many drafts the grammar accepts without
+moving the matcher; ``accept`` several tokens and ``rollback`` undo them.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+import numpy as np
+
+from observability.logging import get_logger
+
+log = get_logger(__name__)
+
+
+def allow_only(bitmask: np.ndarray, row: int, token_ids: Sequence[int]) -> None:
+    """Row ``row`` of an int32 token bitmask allows exactly ``token_ids``."""
+    words = bitmask[row].view(np.uint32)
+    words[:] = 0
+    for t in token_ids:
+        words[t // 32] |= np.uint32(1 << (t % 32))
+
+
+class RequestGrammar:
+    """The matcher of one sample (see the module docstring)."""
+
+    def __init__(self, req_id: str, template: Future, output_token_ids: Sequence[int],
+                 eos_token_ids: Sequence[int]):
+        self.req_id = req_id
+        self._template = template
+        self._replay = list(output_token_ids)
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.matcher = None
+        self.failed = False
+
+    @property
+    def is_ready(self) -> bool:
+        """Whether the grammar is compiled (or failed); makes the matcher on first call
+        after the compile finished. Never blocks."""
+        if self.matcher is not None or self.failed:
+            return True
+        if not self._template.done():
+            return False
+        try:
+            self.matcher = self._template.result().deep_copy()
+        except Exception as e:  # the compile failed: the sample can only end
+            self._fail(f"grammar did not compile: {e}")
+            return True
+        if self._replay and not self.matcher.consume_tokens(self._replay):
+            self._fail("replaying the sample's tokens failed")
+        self._replay = []
+        return True
+
+    def fill(self, bitmask: np.ndarray, row: int) -> None:
+        """Write the allowed next tokens into ``bitmask[row]`` (call once ready)."""
+        if self.failed or self.matcher is None:
+            allow_only(bitmask, row, self.eos_token_ids)
+            return
+        import llguidance.numpy as llnp
+        llnp.fill_next_token_bitmask(self.matcher, bitmask, row)
+        if self.matcher.is_error():  # a limit crossed mid-way: llguidance allows EOS only
+            self._fail(self.matcher.get_error())
+
+    def accept(self, token_ids: Sequence[int]) -> bool:
+        """Advance by sampled tokens the mask allowed; False (and failed) otherwise."""
+        if self.failed or self.matcher is None:
+            return False
+        token_ids = list(token_ids)
+        if token_ids and token_ids[-1] in self.eos_token_ids and self.matcher.is_accepting():
+            # EOS ends a complete output; the matcher is left before it, where a
+            # stopped llguidance matcher would not record it anyway (so rollback counts
+            # stay exact).
+            token_ids.pop()
+        if token_ids and not self.matcher.consume_tokens(token_ids):
+            self._fail(self.matcher.get_error())
+            return False
+        return True
+
+    def validate(self, token_ids: Sequence[int]) -> int:
+        """How many leading ``token_ids`` the grammar accepts now (the matcher stays)."""
+        if self.failed or self.matcher is None:
+            return 0
+        return self.matcher.validate_tokens(list(token_ids))
+
+    def fill_drafts(self, bitmask: np.ndarray, row: int, draft_ids: Sequence[int]) -> int:
+        """Speculative decoding: the masks of the next ``len(draft_ids) + 1`` positions
+        into rows ``row``, ``row + 1``, ... (the position after each draft the grammar
+        accepts; rows past the first rejected draft are left as they are, since the
+        verifier rejects there anyway). The matcher ends where it began; returns how
+        many drafts the grammar accepts."""
+        num_valid = self.validate(draft_ids)
+        self.fill(bitmask, row)
+        for i in range(num_valid):
+            self.matcher.consume_token(draft_ids[i])
+            self.fill(bitmask, row + 1 + i)
+        self.rollback(num_valid)
+        return num_valid
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens."""
+        if num_tokens and self.matcher is not None and not self.failed:
+            self.matcher.rollback(num_tokens)
+
+    @property
+    def is_complete(self) -> bool:
+        """Whether the output so far is a complete sentence of the grammar."""
+        return self.matcher is not None and not self.failed and self.matcher.is_accepting()
+
+    def _fail(self, why: str) -> None:
+        if not self.failed:
+            log.warning("structured output ends early", request_id=self.req_id,
+                        reason=why.strip().splitlines()[0][:200] if why.strip() else "")
+        self.failed = True
