@@ -36,6 +36,8 @@ CONFIGS = [
     ("quantized, int8 route everywhere, float32", "auto", "float32", "int8"),
     ("quantized, widening route everywhere, float32", "auto", "float32", "widen"),
     ("quantized, bfloat16 activations, measured kernels", "auto", "bfloat16", "auto"),
+    ("quantized, int8 route everywhere, bfloat16", "auto", "bfloat16", "int8"),
+    ("quantized, widening route everywhere, bfloat16", "auto", "bfloat16", "widen"),
     ("dequantised bfloat16", "none", "bfloat16", "auto"),
 ]
 

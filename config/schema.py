@@ -139,10 +139,14 @@ class WorkerConfig:
                                "contiguous), 1.5-5x faster matmuls at 4-32 rows; a tied LM "
                                "head gets its own copy (vocab x hidden more memory). 16-bit "
                                "weights stay row-major where the native kernel reads them")
-    linear_backend: str = _f("auto", "CPU linear layers: auto times every path on the "
-                             "model's shapes at load and keeps the fastest per shape and "
-                             "row count (cached per CPU); native|kernel|widen|int8 force "
-                             "one where it applies (see worker/models/linear_paths.py)")
+    linear_backend: str = _f("auto", "CPU linear layers: auto times every exact path "
+                             "on the model's shapes at load and keeps the fastest per "
+                             "shape and row count (cached per CPU); native|kernel|widen "
+                             "force one where it applies; int8 (quantized weights only: "
+                             "activations quantized per block of 32, faster from a few "
+                             "rows on, less accurate; auto never picks it) forces the "
+                             "quantized kernels' integer route (see "
+                             "worker/models/linear_paths.py)")
 
     def __post_init__(self):
         _check(self.device in DEVICES, "worker.device",

@@ -1,7 +1,8 @@
 """Kernel choice by measurement: the fastest linear path per weight shape and row count.
 
-At load, every path that can run a layer (worker/models/linear_paths.py: torch native,
-Folio's 16-bit kernel, widening, the quantized kernels' int8 route) is timed on the
+At load, every path that can run a layer exactly (worker/models/linear_paths.py: torch
+native, Folio's 16-bit kernel, widening; not the quantized kernels' int8 route, which
+quantizes activations and changed the default model's greedy answers) is timed on the
 model's own weights at each row bucket (1, 4, 16, 64, 256 rows), and each layer gets
 the fastest as its :class:`LinearChoice`. Small buckets stream through all of a shape's
 weights, as a decode step does (so the timing includes reading them from memory);
@@ -13,7 +14,8 @@ The table is cached as JSON under the weight cache's folder (``$FOLIO_CACHE_DIR`
 ``off`` disables it) in ``linear_backend/``, one file per CPU model + flags, torch
 version, thread count and kernel build, so later starts skip the timing; a table timed
 while the machine was busy (load above its CPU count) is used but not cached.
-``worker.linear_backend`` other than ``auto`` forces one path wherever it applies.
+``worker.linear_backend`` other than ``auto`` forces one path wherever it applies
+(``int8`` is the way to run the int8 route).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ from worker.weight_cache import WeightCache
 
 log = get_logger(__name__)
 
-TABLE_VERSION = 1
+TABLE_VERSION = 2  # 2: int8 no longer measured (tables of 1 may hold it)
 _ROUNDS = 3             # passes per path and bucket, taken in turn; the best counts
 _STREAM_MAX_ROWS = 16   # buckets up to this many rows pass over every weight of a shape
 _GIVE_UP_FACTOR = 4.0   # a path this much slower than the best so far is dropped
@@ -176,7 +178,7 @@ def _write_table(path: Path | None, entries: dict) -> None:
 
 def _measure(weights: list, dtype: torch.dtype, max_rows: int) -> list[str]:
     """The fastest path per bucket for one shape."""
-    options = candidates(weights[0])
+    options = candidates(weights[0], lossy=False)
     if len(options) == 1:
         return [options[0]] * len(ROW_BUCKETS)
     return fastest(time_paths(weights, options, dtype, max_rows))
@@ -205,7 +207,7 @@ def choose_linear_backends(model: nn.Module, backend: str = "auto") -> dict[str,
             if key in table:
                 continue
             if time.perf_counter() - started > _BUDGET_S:  # defaults, not cached
-                table[key] = [candidates(ws[0])[0]] * len(ROW_BUCKETS)
+                table[key] = [candidates(ws[0], lossy=False)[0]] * len(ROW_BUCKETS)
                 skipped.append(key)
                 continue
             table[key] = _measure(ws, model.norm.weight.dtype,

@@ -7,6 +7,10 @@
 * ``none``: floats in ``model.dtype``, as before.
 * ``auto``: ``gguf`` for a GGUF holding those formats, else ``none``.
 
+Quantized weights run with float32 activations (the kernels' widening route, or a
+dequantise-then-GEMM) unless ``worker.linear_backend: int8`` asks for int8 activations
+(worker/models/linear_paths.py says why the measured choice leaves that route out).
+
 The kernels are CPU kernels: on CUDA ``auto`` means ``none`` and the others are
 refused; on a CPU where the native kernels cannot be built ``auto`` means ``none`` too
 (a forced ``gguf``/``int8`` still runs, dequantising per call, slowly).

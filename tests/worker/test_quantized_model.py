@@ -5,7 +5,7 @@ Tiny GGUFs (gguf_factory) hold Q4_1 projections and a Q8_0 tied embedding, like 
 default model. The reference is the same file dequantised to float32 (quantization
 ``none``): kept-quantized weights must compute the same function, to float32 rounding
 where activations stay float (``widen``, ``native``) and within activation rounding
-where they are quantized per block to int8 (``int8``).
+where they are quantized per block to int8 (``int8``, which only a forced backend runs).
 """
 from __future__ import annotations
 
@@ -125,6 +125,24 @@ def test_measured_table_is_cached_per_machine_and_reused(q_gguf, monkeypatch,
     assert second.linear_table == first.linear_table
     assert second.model.layers[0].mlp.down_proj.choice.paths == tuple(
         first.linear_table["q4_1:64:128"])
+
+
+def test_measured_choice_never_times_the_int8_route(q_gguf, monkeypatch):
+    # int8 activations change the function (greedy answers of the default model, see
+    # worker/models/linear_paths.py): auto measures only the exact paths, so it cannot
+    # pick int8 however fast it is here; forcing it is the way in.
+    timed = []
+    real = linear_backend.time_paths
+
+    def spy(weights, paths, *args):
+        timed.append(paths)
+        return real(weights, paths, *args)
+    monkeypatch.setattr(linear_backend, "time_paths", spy)
+    runner = runner_for(q_gguf)
+    assert timed and all("int8" not in paths and "widen" in paths for paths in timed)
+    assert "int8" not in {p for paths in runner.linear_table.values() for p in paths}
+    forced = runner_for(q_gguf, backend="int8").linear_table
+    assert all(set(paths) == {"int8"} for paths in forced.values())
 
 
 def test_int8_quantizes_a_checkpoint_per_channel_on_load(tiny_llama_dir):

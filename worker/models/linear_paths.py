@@ -15,6 +15,13 @@ Which one is fastest depends on the CPU (bf16/VNNI/AMX instructions, cache sizes
 weight's shape and the number of rows, so worker/linear_backend.py times them at load
 and gives each layer a :class:`LinearChoice`; :func:`path_for` is the fallback rule for
 a layer without one.
+
+``int8`` is the one path that computes another function: rounding each activation to
+1/127 of its block's largest moves a layer's output by 0.4-1% (relative, measured on the
+default model's real activations; llama.cpp's Q8_1 activations do the same). On the
+default model that flips greedy answers (the first token of "What is the capital of
+France?" is 0.08 logits from the runner-up), so it is ``LOSSY``: the measured choice
+never takes it, only ``worker.linear_backend: int8`` does.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ from kernels.quant_linear import quant_linear, weight_rows
 
 NATIVE, KERNEL, WIDEN, INT8 = "native", "kernel", "widen", "int8"
 PATHS = (NATIVE, KERNEL, WIDEN, INT8)
+LOSSY = frozenset({INT8})  # paths whose result is not x @ W.T to float rounding
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 # Row counts a choice is made for; a call takes the bucket nearest in log2 (upper
 # bounds 2, 8, 32, 128). Decode batches live in the first four, prefill chunks in the last.
@@ -72,10 +80,13 @@ def kernel_takes(weight) -> bool:
             and cpu_extension.is_available())
 
 
-def candidates(weight) -> tuple[str, ...]:
-    """The paths that can run this weight on this machine (the first is the default)."""
+def candidates(weight, lossy: bool = True) -> tuple[str, ...]:
+    """The paths that can run this weight on this machine (the first is the default);
+    ``lossy=False`` leaves out the ``LOSSY`` ones (what the measured choice picks from)."""
     if isinstance(weight, PackedWeight):
-        return (INT8, WIDEN, NATIVE) if cpu_extension.is_available() else (NATIVE,)
+        if not cpu_extension.is_available():
+            return (NATIVE,)
+        return (WIDEN, INT8, NATIVE) if lossy else (WIDEN, NATIVE)
     if weight.dtype in HALF_DTYPES:
         return (NATIVE, KERNEL, WIDEN) if kernel_takes(weight) else (NATIVE, WIDEN)
     return (NATIVE,)
