@@ -11,6 +11,10 @@ chunk of 512 rows. Candidates, each against the base projections of the same lay
                 of rows, a matmul into the shrink and an in-place addmm per slice,
                 float32 slots (as the worker keeps them on a CPU)
     runs_half   (--dtype bfloat16 only) the same with slots in the model's dtype
+    slot_batch  (decode rows) each slot's rows padded to one length: per target one
+                gather, batched GEMMs, one scatter-add (kernels/lora_slot_batch.py)
+    native      (decode rows) the C++ kernel, one call per target
+                (kernels/csrc/lora_decode.cpp); *_half: slots in the model's dtype
 
     .venv/bin/python benchmarks/lora_kernels.py [--threads N] [--iters N]
 """
@@ -29,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.lora_expand import lora_expand_cpu, lora_expand_reference  # noqa: E402
 from kernels.lora_mapping import make_lora_mapping  # noqa: E402
 from kernels.lora_shrink import lora_shrink_cpu, lora_shrink_reference  # noqa: E402
+from kernels.lora_slot_batch import lora_add_slot_batch  # noqa: E402
+from kernels import cpu_extension  # noqa: E402
 
 # target: (in, [slice widths])
 TARGETS = {"qkv": (576, [576, 192, 192]), "o": (576, [576]),
@@ -77,6 +83,18 @@ def run_grouped(x_of, y_of, weights, groups, rank):
             y.index_add_(0, rows, delta.to(y.dtype))
 
 
+def run_slot_batch(x_of, y_of, weights, mapping, rank):
+    for name, (a, b, widths, _) in weights.items():
+        lora_add_slot_batch(y_of[name], x_of[name], a, b, widths, rank, mapping.slot_batch)
+
+
+def run_native(x_of, y_of, weights, mapping, rank):
+    ops = cpu_extension.require()
+    for name, (a, b, widths, _) in weights.items():
+        ops.lora_decode(y_of[name], x_of[name], a.transpose(1, 2), b.transpose(1, 2),
+                        mapping.token_slots, rank, list(widths))
+
+
 def run_base(x_of, y_of, weights):
     for name, (_, _, _, base) in weights.items():
         torch.mm(x_of[name], base, out=y_of[name])
@@ -110,6 +128,15 @@ def measure(num_rows, per_adapter_runs, args, dtype):
          "grouped": timeit(lambda: run_grouped(x_of, y_of, weights, groups, rank), args.iters)}
     if half is not None:
         t["runs_half"] = timeit(lambda: run_runs(x_of, y_of, half, mapping, rank), args.iters)
+    if mapping.slot_batch is not None:
+        t["slot_batch"] = timeit(lambda: run_slot_batch(x_of, y_of, weights, mapping, rank),
+                                 args.iters)
+        if cpu_extension.is_available():
+            t["native"] = timeit(lambda: run_native(x_of, y_of, weights, mapping, rank),
+                                 args.iters)
+            if half is not None:
+                t["native_half"] = timeit(
+                    lambda: run_native(x_of, y_of, half, mapping, rank), args.iters)
     if num_rows <= 64:
         t["reference"] = timeit(lambda: run_reference(x_of, y_of, weights, mapping, rank),
                                 max(3, args.iters // 4))
@@ -129,11 +156,11 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     print(f"one layer, {args.adapters} adapters of rank {args.rank}, {args.dtype}, "
           f"{torch.get_num_threads()} threads; ms per layer (median)")
-    for rows in (64, 512):
-        t = measure(rows, 1, args, dtype)
+    for rows, runs_per_adapter in ((32, 1), (64, 1), (64, 8), (512, 1)):
+        t = measure(rows, runs_per_adapter, args, dtype)
         extra = "  ".join(f"{k} {v * 1e3:7.3f} (+{v / t['base'] * 100:5.1f}%)"
                           for k, v in t.items() if k != "base")
-        print(f"{rows:4d} rows: base {t['base'] * 1e3:7.3f}  {extra}")
+        print(f"{rows:4d} rows in {runs_per_adapter} run(s) per adapter: base {t['base'] * 1e3:7.3f}  {extra}")
     return 0
 
 

@@ -7,6 +7,8 @@
   batch    N concurrent free-form chat requests: n-gram (adaptive) vs off (<= 5% slower)
   draft    draft_model with the model as its own draft, copy prompts: acceptance, and
            what a step costs against a step without drafts
+  structured  single stream, chat requests held to JSON schemas (--sections
+           structured): n-gram adaptive and fixed k vs off, outputs identical
 
 The modes of a section are loaded side by side and take turns prompt by prompt (the
 order rotating), so a noisy neighbour on a shared machine slows every mode alike;
@@ -56,12 +58,15 @@ class Mode:
         self.spec_before = self.llm.engine.get_stats().spec_decode
 
     def run(self, conversations, max_tokens: int) -> None:
-        """Generate ``conversations`` (all at once when there are several)."""
+        """Generate ``conversations`` (all at once when there are several); a
+        ``Constrained`` batch carries each conversation's JSON schema."""
         from folio import SamplingParams
+        schemas = getattr(conversations, "schemas", [None] * len(conversations))
+        params = [SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                 structured_outputs=None if s is None else {"json": s})
+                  for s in schemas]
         t0 = time.perf_counter()
-        outs = self.llm.chat(conversations, SamplingParams(temperature=0.0,
-                                                           max_tokens=max_tokens),
-                             use_tqdm=False)
+        outs = self.llm.chat(list(conversations), params, use_tqdm=False)
         self.seconds += time.perf_counter() - t0
         self.tokens += [o.outputs[0].token_ids for o in outs]
 
@@ -70,6 +75,25 @@ class Mode:
         return {"seconds": self.seconds, "output_tokens": num_out, "steps": self.steps,
                 "tok_s": num_out / self.seconds, "spec": _spec_delta(
                     self.spec_before, self.llm.engine.get_stats().spec_decode)}
+
+
+class Constrained(list):
+    """Conversations whose outputs are held to ``schemas`` (one each)."""
+
+    def __init__(self, conversations, schemas):
+        super().__init__(conversations)
+        self.schemas = schemas
+
+
+def constrained_batches(num_prompts: int) -> list[Constrained]:
+    """Single-stream JSON requests: schemas of tests/data/structured_output_schemas.json
+    whose outputs run long (arrays of objects: their keys repeat, as n-gram likes)."""
+    entries = {e["name"]: e for e in json.loads(
+        (REPO / "tests" / "data" / "structured_output_schemas.json").read_text())}
+    names = ["team", "playlist", "order", "recipe", "student_grades", "quiz"][:num_prompts]
+    return [Constrained([[{"role": "user", "content": entries[n]["prompt"]
+                           + " Reply with JSON only."}]], [entries[n]["schema"]])
+            for n in names]
 
 
 def _spec_delta(before, after) -> dict | None:
@@ -175,7 +199,10 @@ def main() -> int:
         "batch": (f"{args.concurrency} concurrent chat requests",
                   {"off": off, "ngram adaptive": ngram}, [batch, batch], args.chat_tokens),
         "draft": ("draft_model (the model as its own draft), copy prompts",
-                  {"off": off, "draft_model": draft}, copies, args.copy_tokens)}
+                  {"off": off, "draft_model": draft}, copies, args.copy_tokens),
+        "structured": ("JSON-schema constrained, single stream",
+                       {"off": off, "ngram adaptive": ngram, "ngram fixed k": fixed},
+                       constrained_batches(args.num_prompts), args.chat_tokens)}
     for name in args.sections:
         results[name] = section(args, *plan[name])
         results["machine"]["load_average_end"] = os.getloadavg()

@@ -45,6 +45,8 @@ FLAT_ALIASES = {
     "num_threads": "worker.num_threads",
     "enforce_eager": "worker.enforce_eager",
     "attention_backend": "worker.attention_backend",
+    "enable_sleep_mode": "worker.enable_sleep_mode",
+    "worker_extension_cls": "worker.extension_cls",
     "enable_lora": "lora.enable_lora",
     "max_loras": "lora.max_loras",
     "max_lora_rank": "lora.max_lora_rank",
@@ -55,6 +57,8 @@ FLAT_ALIASES = {
     "prompt_lookup_max": "speculative.prompt_lookup_max",
     "speculative_draft_model": "speculative.draft_model",
     "speculative_disable_by_batch_size": "speculative.disable_by_batch_size",
+    "tensor_parallel_size": "parallel.tensor_parallel_size",
+    "distributed_backend": "parallel.distributed_backend",
 }
 
 
@@ -213,18 +217,29 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | N
     ``overrides`` keys are ``section.key`` or one of vLLM's flat names in FLAT_ALIASES.
     """
     path = Path(path) if path is not None else DEFAULT_CONFIG_PATH
-    tree: dict[str, dict] = {}
-    for section, entries in _read_yaml(path).items():
-        if not isinstance(entries, dict):
-            raise ConfigError(f"{section}: must be a mapping of keys (in {path})", section)
-        for key, value in entries.items():
-            _set_path(tree, f"{section}.{key}", value, str(path))
+    tree = _tree_of(_read_yaml(path), str(path))
     layers = [(env_overrides() if use_env else {}, "environment"),
               (dict(overrides or {}), "overrides")]
     for layer, source in layers:
         for key, value in layer.items():
             _set_path(tree, FLAT_ALIASES.get(key, key), value, source)
     return _build(tree)
+
+
+def _tree_of(data: dict, source: str) -> dict[str, dict]:
+    tree: dict[str, dict] = {}
+    for section, entries in data.items():
+        if not isinstance(entries, dict):
+            raise ConfigError(f"{section}: must be a mapping of keys (in {source})", section)
+        for key, value in entries.items():
+            _set_path(tree, f"{section}.{key}", value, source)
+    return tree
+
+
+def config_from_plain(data: dict, source: str) -> FolioConfig:
+    """The config tree from plain data (``dataclasses.asdict`` of one, as it crosses a
+    socket), checked like a YAML file named ``source``; no environment or overrides."""
+    return _build(_tree_of(data, source))
 
 
 def config_to_dict(config: FolioConfig) -> dict:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 # ConfigError and every section are importable from here: the tree's one front door.
 from config.fields import ConfigError, _check, _f  # noqa: F401
 from config.lora import LoRAConfig
+from config.parallel import ParallelConfig
 from config.serving import APIConfig, ServicesConfig
 from config.speculative import SpeculativeConfig
 
@@ -28,10 +29,12 @@ class ModelConfig:
                    "bundled SmolLM2-135M-Instruct")
     dtype: str = _f("auto", "weight and activation dtype: auto|float32|bfloat16|float16 "
                     "(auto: bfloat16 on GPUs and bf16-capable CPUs, else float32)")
-    quantization: str = _f("auto", "auto|none|int8|gguf (CPU): gguf keeps a GGUF's Q4_0/"
+    quantization: str = _f("none", "none|auto|int8|gguf (CPU): gguf keeps a GGUF's Q4_0/"
                            "Q4_1/Q8_0 matrices quantized (native int8 kernels); int8 "
                            "quantizes linear weights per channel on load; none "
-                           "dequantises to dtype; auto: gguf for a quantized GGUF, else none")
+                           "dequantises to dtype (the default); auto: gguf for a quantized "
+                           "GGUF, else none. Not with tensor parallelism, sleep level 2 "
+                           "or weight updates")
     max_model_len: int | None = _f(None, "longest prompt + output in tokens; null takes the "
                                    "model's own limit")
     tokenizer: str | None = _f(None, "tokenizer.json or folder; null reads it from the model")
@@ -147,6 +150,14 @@ class WorkerConfig:
                              "rows on, less accurate; auto never picks it) forces the "
                              "quantized kernels' integer route (see "
                              "worker/models/linear_paths.py)")
+    enable_sleep_mode: bool = _f(False, "serve LLM.sleep/wake_up and POST /sleep, /wake_up, "
+                                 "GET /is_sleeping (RL hooks: free the KV pool, level 2 "
+                                 "the weights too, between generations)")
+    enable_weight_updates: bool = _f(False, "serve POST /update_weights (a safetensors file "
+                                     "or folder the worker can read; behind the API key)")
+    extension_cls: str | None = _f(None, "'package.module:Class' whose public methods "
+                                   "LLM.collective_rpc may call on the worker (constructed "
+                                   "with the ModelRunner); null: none")
 
     def __post_init__(self):
         _check(self.device in DEVICES, "worker.device",
@@ -156,6 +167,10 @@ class WorkerConfig:
         _check(self.num_threads >= 0, "worker.num_threads", "must be non-negative")
         _check(self.linear_backend in LINEAR_BACKENDS, "worker.linear_backend",
                f"must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
+        _check(self.extension_cls is None or (
+            isinstance(self.extension_cls, str) and self.extension_cls.count(":") == 1),
+            "worker.extension_cls", f"must be 'package.module:Class', got "
+            f"{self.extension_cls!r}")
 
 
 LOG_FORMATS = ("console", "json")
@@ -173,10 +188,13 @@ class ObservabilityConfig:
     log_prompts: bool = _f(False, "allow prompt and completion text in logs and spans")
     otlp_endpoint: str | None = _f(None, "OTLP collector for traces, e.g. "
                                    "http://localhost:4318 (http/protobuf) or "
-                                   "http://localhost:4317 (grpc); null turns tracing off")
-    otlp_protocol: str = _f("http/protobuf", "http/protobuf or grpc")
-    trace_sample_ratio: float = _f(1.0, "fraction of requests traced (a client's sampled "
-                                   "traceparent is always followed)")
+                                   "http://localhost:4317 (grpc); null: OTEL_EXPORTER_OTLP_"
+                                   "(TRACES_)ENDPOINT, else tracing off")
+    otlp_protocol: str | None = _f(None, "http/protobuf or grpc; null: "
+                                   "OTEL_EXPORTER_OTLP_PROTOCOL, else http/protobuf")
+    trace_sample_ratio: float | None = _f(None, "fraction of requests traced (a client's "
+                                          "sampled traceparent is always followed); null: "
+                                          "OTEL_TRACES_SAMPLER/_ARG, else every request")
     trace_step_detail: str = _f("step", "per-request engine spans: 'step' (one per engine "
                                 "step; +1.1% CPU with every request traced) or 'phase' (one "
                                 "for prefill, one for decode; +0.4%), measured by "
@@ -192,9 +210,11 @@ class ObservabilityConfig:
                f"must be one of {LOG_LEVELS}")
         _check(self.log_format in LOG_FORMATS, "observability.log_format",
                f"must be one of {LOG_FORMATS}")
-        _check(self.otlp_protocol in OTLP_PROTOCOLS, "observability.otlp_protocol",
+        _check(self.otlp_protocol in (None, *OTLP_PROTOCOLS),
+               "observability.otlp_protocol",
                f"must be one of {OTLP_PROTOCOLS}")
-        _check(0.0 <= self.trace_sample_ratio <= 1.0, "observability.trace_sample_ratio",
+        _check(self.trace_sample_ratio is None or 0.0 <= self.trace_sample_ratio <= 1.0,
+               "observability.trace_sample_ratio",
                "must be in [0, 1]")
         _check(self.trace_step_detail in TRACE_STEP_DETAILS, "observability.trace_step_detail",
                f"must be one of {TRACE_STEP_DETAILS}")
@@ -214,3 +234,4 @@ class FolioConfig:
     api: APIConfig = field(default_factory=APIConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -34,6 +34,9 @@ class ServicesConfig:
     api_restart_budget: int = _f(5, "API process restarts `folio serve` allows in any 60 s "
                                  "(an API process that exits is restarted; past the budget "
                                  "the stack drains and stops)")
+    watch_config: bool = _f(True, "re-read the YAML file when it changes and apply its "
+                            "live keys (README, Live retune); SIGHUP and POST "
+                            "/admin/reload_config reload either way")
 
     def __post_init__(self):
         _check(0 <= self.api_port <= 65535, "services.api_port", "must be in 0..65535")

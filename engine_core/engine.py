@@ -12,6 +12,7 @@ from config.lora import LoRAConfig
 from config.schema import CacheConfig, SchedulerConfig
 from config.speculative import SpeculativeConfig
 from engine_core.lora_control import LoRAControl, LoRAExecutor, LoRAStats
+from engine_core.model_control import ModelControl
 from engine_core.model_facts import ModelFacts
 from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.queue_limits import QueueLimits
@@ -87,6 +88,7 @@ class EngineCore:
         self.scheduler = Scheduler(scheduler_config, cache_config, num_blocks, block_size,
                                    max_model_len, lora_config, speculative_config)
         self.lora = LoRAControl(self.scheduler.lora) if self.scheduler.lora else None
+        self.control = ModelControl(self.scheduler)  # sleep state (model_control.py)
         self.lora_executor = lora_executor
         self.queue_limits = QueueLimits.from_config(scheduler_config)
         self.executor = executor
@@ -156,6 +158,8 @@ class EngineCore:
     def _checked_fields(self, prompt: list[int], sampling_params: SamplingParams | None,
                         cache_salt: str | None, lora_id: int, tenant: str | None,
                         tenant_weight: float) -> SamplingParams:
+        if (asleep := self.control.refusal()) is not None:
+            raise asleep
         params = sampling_params if sampling_params is not None else SamplingParams()
         params.validate()
         self._check_vocabulary(params.stop_token_ids, "stop_token_ids")
@@ -171,11 +175,6 @@ class EngineCore:
             self.lora.registry.registered_id(lora_id)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidRequestError("cache_salt must be a string", "cache_salt")
-        if params.structured_outputs is not None and self.scheduler.speculator is not None:
-            # drafts would have to be checked against the grammar: not built yet
-            raise InvalidRequestError("structured outputs are not served while speculative "
-                                      "decoding is on (speculative.method)",
-                                      "structured_outputs")
         return params
 
     def _check_vocabulary(self, token_ids: frozenset[int], param: str) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -10,12 +11,16 @@ from config.loader import config_to_dict, load_config
 from config.schema import FolioConfig
 from engine_core.sampling_params import InvalidRequestError, SamplingParams
 from folio.lora_request import LoRARequest
+from folio.rl_hooks import RLHooks
 from observability.logging import configure_logging, get_logger
 from text.grammar_compiler import GrammarError
 from text.output_processor import OutputProcessor
 from text.request_output import RequestOutput
 from text.tokenizer import Tokenizer
 from worker.bootstrap import in_process_engine
+from worker.distributed.follower import check_tp_supported
+from worker.distributed.rank_processes import RankProcesses
+from worker.distributed.tp_group import destroy_tp_group
 
 log = get_logger(__name__)
 
@@ -23,13 +28,18 @@ PromptType = str | dict[str, Any] | list[int]
 LoRARequests = LoRARequest | Sequence[LoRARequest | None] | None
 
 
-class LLM:
+class LLM(RLHooks):
     """vLLM-style offline engine over the same EngineCore and ModelRunner the services use.
 
     ``LLM()`` serves the default model from config/default.yaml; ``LLM("my.yaml")`` reads
     another file; keyword overrides take vLLM's flat names (``model=``, ``dtype=``,
     ``max_num_seqs=``, ``enable_prefix_caching=`` ...) or dotted keys
-    (``**{"scheduler.policy": "priority"}``).
+    (``**{"scheduler.policy": "priority"}``). Between ``generate`` calls the RL hooks
+    (folio/rl_hooks.py) sleep and wake it, update its weights and reset its prefix cache.
+
+    ``tensor_parallel_size=n`` splits the model over n processes: this one is rank 0
+    and ranks 1..n-1 are spawned here (README, "Tensor parallelism"); ``shutdown()``, or
+    leaving a ``with LLM(...)`` block, stops them.
     """
 
     def __init__(self, config: FolioConfig | str | Path | None = None, **overrides: Any):
@@ -42,10 +52,39 @@ class LLM:
         obs = self.config.observability
         configure_logging(obs.log_level, obs.log_format)
         log.debug("config resolved", config=config_to_dict(self.config))
-        loaded, self.engine = in_process_engine(self.config)
+        self._ranks = None  # tensor parallelism: ranks 1..n-1 run in child processes
+        if self.config.parallel.is_enabled:
+            check_tp_supported(self.config)  # before any rank starts
+            self.config = replace(self.config,
+                                  parallel=self.config.parallel.with_rendezvous_port())
+            self._ranks = RankProcesses(self.config)
+        try:
+            loaded, self.engine = in_process_engine(self.config)
+        except BaseException:
+            self.shutdown()
+            raise
         self.runner, self.tokenizer = loaded.runner, loaded.tokenizer
+        self.worker_control = loaded.control
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks and leave the group (nothing to do at
+        size 1). The LLM cannot generate afterwards."""
+        if self._ranks is None:
+            return
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.stop_followers()
+        destroy_tp_group()
+        self._ranks.join()
+        self._ranks = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.tokenizer
@@ -146,15 +185,19 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              add_generation_prompt: bool = True, use_tqdm: bool = True,
-             lora_request: LoRARequests = None) -> list[RequestOutput]:
+             lora_request: LoRARequests = None,
+             continue_final_message: bool = False) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them via the chat template.
 
         As over HTTP, special-token text inside message content stays plain text unless
-        ``api.allow_special_tokens_in_content`` is on (text/chat_prompt.py)."""
+        ``api.allow_special_tokens_in_content`` is on (text/chat_prompt.py).
+        ``continue_final_message`` (with ``add_generation_prompt=False``, as in vLLM)
+        leaves the final message open for the model to go on with."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         split = not self.config.api.allow_special_tokens_in_content
         prompts = [{"prompt_token_ids": self.tokenizer.encode_chat(self.tokenizer.render_chat(
-            conv, add_generation_prompt, split_content=split))} for conv in conversations]
+            conv, add_generation_prompt, split_content=split,
+            continue_final_message=continue_final_message))} for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
                              lora_request=lora_request)
 

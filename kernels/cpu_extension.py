@@ -10,8 +10,9 @@ operators under ``torch.ops.folio``.
 Build folder: ``$FOLIO_CACHE_DIR/torch_extensions/<name>`` when ``FOLIO_CACHE_DIR`` is
 set to a directory, else torch's default (``$TORCH_EXTENSIONS_DIR`` or
 ``~/.cache/torch_extensions``). ``<name>`` hashes the sources, the flags, the torch
-version and the CPU's feature flags: the build uses ``-march=native``, so a cache shared
-between different CPUs must never hand one machine another's binary.
+version, the CPU's feature flags and the sources' folder: the build uses
+``-march=native``, so a cache shared between different CPUs must never hand one machine
+another's binary, and two checkouts must not take turns rebuilding one folder.
 
 Builders never wait on a dead one: torch guards a build with a ``lock`` file that stays
 behind when its process is killed mid-compile, and every later build would wait on it for
@@ -87,7 +88,10 @@ def _extension_name() -> str:
     digest = hashlib.sha256()
     parts = [*(s.read_bytes() for s in _SOURCES), *(h.read_bytes() for h in _HEADERS),
              " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode(),
-             platform.machine().encode(), cpu_flags().encode()]
+             platform.machine().encode(), cpu_flags().encode(),
+             # torch's build.ninja names the sources by path: two checkouts with equal
+             # sources sharing one folder would rewrite it and rebuild in turn for ever
+             str(_CSRC).encode()]
     for part in parts:
         digest.update(part)
         digest.update(b"\0")

@@ -98,5 +98,4 @@ def make_lora_mapping(request_slots: list[int], query_start_loc: list[int],
                        group_starts=starts_t,
                        max_group_rows=int(group_sizes.max()) if len(group_sizes) else 0,
                        runs=runs,
-                       slot_batch=None if device.type == "cuda" else make_slot_batch(
-                           runs, len(token_slots)))
+                       slot_batch=None if device.type == "cuda" else make_slot_batch(runs))

@@ -48,7 +48,7 @@ class SlotBatch:
     keep: torch.Tensor | None  # [hi - lo, 1] float32, 0 on base rows; None: there are none
 
 
-def make_slot_batch(runs, num_tokens: int) -> SlotBatch | None:
+def make_slot_batch(runs) -> SlotBatch | None:
     """The padded layout of ``runs`` (kernels/lora_mapping.py, in token order), or None
     where the per-run path is the better one: a single run, or too much padding."""
     if len(runs) < 2:

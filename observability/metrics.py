@@ -2,10 +2,19 @@
 process at /metrics (the API asks the engine core for the text), so that with several
 API processes each scrape still sees one consistent, engine-wide set of numbers.
 
-Names follow what vLLM operators chart, under the ``folio:`` prefix. Request latencies
-are measured from the moment the API process accepted the request (its wall clock
-travels in AddRequest); a request is one sample (``n > 1`` counts each sample). With
-speculative decoding on, vLLM's ``spec_decode_*`` counters are served too.
+Names and meanings follow what vLLM operators chart, under the ``folio:`` prefix.
+Request latencies are measured from the moment the API process accepted the request
+(its wall clock travels in AddRequest); a request is one sample (``n > 1`` counts each
+sample), except ``request_params_n`` and ``request_params_max_tokens``, observed once
+per API request when the engine core admits it. With speculative decoding on, vLLM's
+``spec_decode_*`` counters are served too.
+
+``iteration_tokens_total`` is vLLM's: per engine step that produced tokens, the prompt
+tokens of the requests whose first token came out in it plus the tokens generated in
+it. A request of P prompt tokens and G output tokens thus adds P + G to the sum (the
+last sampled token counts, though it is never fed back), where the tokens the model
+computed are P + G - 1: ``iteration_scheduled_tokens`` histograms those per step (the
+batch the worker ran).
 """
 from __future__ import annotations
 
@@ -50,7 +59,8 @@ class EngineMetrics:
     """
 
     def __init__(self, model_name: str, *, max_loras: int | None = None,
-                 num_spec_positions: int = 0, prefix: str = PREFIX.rstrip(":")):
+                 num_spec_positions: int = 0, prefix: str = PREFIX.rstrip(":"),
+                 cache_info: dict[str, str] | None = None):
         self.registry = CollectorRegistry()
         name_prefix = prefix + ":"  # observability.metrics_prefix: "vllm" for vLLM's dashboards
         labels = {"model_name": model_name}
@@ -95,8 +105,24 @@ class EngineMetrics:
         self.prompt_len = histogram("request_prompt_tokens", "Prompt length", _TOKEN_BUCKETS)
         self.generation_len = histogram("request_generation_tokens", "Output length",
                                         _TOKEN_BUCKETS)
-        self.iteration_tokens = histogram("iteration_tokens_total", "Tokens per engine step",
-                                          _TOKEN_BUCKETS)
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Per engine step with output: prompt tokens of requests "
+            "whose first token came out plus tokens generated (vLLM's definition)",
+            _TOKEN_BUCKETS)
+        self.iteration_scheduled = histogram(
+            "iteration_scheduled_tokens", "Tokens the model computed per engine step",
+            _TOKEN_BUCKETS)
+        self.params_n = histogram("request_params_n", "The n of each request",
+                                  (1, 2, 5, 10, 20))
+        self.params_max_tokens = histogram("request_params_max_tokens",
+                                           "The max_tokens of each request", _TOKEN_BUCKETS)
+        self.inference_time = histogram("request_inference_time_seconds",
+                                        "First schedule to finish (time running)",
+                                        _LATENCY_BUCKETS)
+        if cache_info is not None:  # vLLM's config gauge: the labels are the information
+            Gauge(name_prefix + "cache_config_info", "The KV cache's configuration",
+                  names + sorted(cache_info), registry=r).labels(**labels, **cache_info).set(1)
+        self._step_tokens = 0  # this step's prompt (first tokens) + generated tokens
         self.lora = (LoRAMetrics(r, max_loras, name_prefix) if max_loras is not None
                      else None)
         self.grammar_compile = histogram(
@@ -116,6 +142,12 @@ class EngineMetrics:
     def on_add(self, req_id: str, arrival_time: float, num_prompt_tokens: int) -> None:
         self._clocks[req_id] = _RequestClock(arrival_time, num_prompt_tokens, time.time())
 
+    def on_request(self, n: int, max_tokens: int | None) -> None:
+        """One API request admitted (its ``n`` samples each get an ``on_add``)."""
+        self.params_n.observe(n)
+        if max_tokens is not None:
+            self.params_max_tokens.observe(max_tokens)
+
     def on_step(self, so: SchedulerOutput, outputs: list[EngineCoreOutput],
                 stats: EngineCoreStats) -> None:
         """Account one finished step: admissions, preemptions, tokens, finishes."""
@@ -129,9 +161,12 @@ class EngineMetrics:
         for req_id in so.preempted_req_ids:
             self.num_preemptions.inc()
         if so.total_num_scheduled_tokens:
-            self.iteration_tokens.observe(so.total_num_scheduled_tokens)
+            self.iteration_scheduled.observe(so.total_num_scheduled_tokens)
+        self._step_tokens = 0
         for out in outputs:
             self._on_output(out, now)
+        if self._step_tokens:
+            self.iteration_tokens.observe(self._step_tokens)
         self.num_requests_running.set(stats.num_running)
         self.num_requests_waiting.set(stats.num_waiting)
         self.kv_cache_usage.set(stats.kv_cache_usage)
@@ -159,7 +194,9 @@ class EngineMetrics:
         n = len(out.new_token_ids)
         if n:
             self.generation_tokens.inc(n)
+            self._step_tokens += n
             if clock.first_token is None:
+                self._step_tokens += clock.num_prompt_tokens
                 clock.first_token = now
                 self.ttft.observe(max(0.0, now - clock.arrival))
                 if clock.first_scheduled is not None:
@@ -174,6 +211,8 @@ class EngineMetrics:
             self.e2e.observe(max(0.0, now - clock.arrival))
             if clock.first_token is not None:
                 self.decode_time.observe(now - clock.first_token)
+            if clock.first_scheduled is not None:
+                self.inference_time.observe(now - clock.first_scheduled)
             self.prompt_len.observe(clock.num_prompt_tokens)
             self.generation_len.observe(clock.num_generation_tokens)
 

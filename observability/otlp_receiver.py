@@ -27,6 +27,7 @@ class ReceivedSpan:
     start_ns: int = 0
     end_ns: int = 0
     children: list = field(default_factory=list)
+    resource: dict = field(default_factory=dict)  # the exporting service's attributes
 
 
 def _value(v):
@@ -69,7 +70,8 @@ class OTLPReceiver:
     def _add(self, request) -> None:
         received = []
         for rs in request.resource_spans:
-            service = {a.key: _value(a.value) for a in rs.resource.attributes}["service.name"]
+            resource = {a.key: _value(a.value) for a in rs.resource.attributes}
+            service = resource["service.name"]
             for ss in rs.scope_spans:
                 for s in ss.spans:
                     received.append(ReceivedSpan(
@@ -77,7 +79,7 @@ class OTLPReceiver:
                         s.parent_span_id.hex(), {a.key: _value(a.value) for a in s.attributes},
                         [e.name for e in s.events],
                         [(link.trace_id.hex(), link.span_id.hex()) for link in s.links],
-                        s.start_time_unix_nano, s.end_time_unix_nano))
+                        s.start_time_unix_nano, s.end_time_unix_nano, resource=resource))
         with self._lock:
             self.spans.extend(received)
 

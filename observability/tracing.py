@@ -1,45 +1,63 @@
 """OpenTelemetry tracing for one service: a tracer exporting over OTLP, or nothing.
 
-With ``observability.otlp_endpoint`` null, ``Tracing.tracer`` is None, the SDK is never
-imported, and every caller skips its span work behind one ``if``: tracing off costs
-nothing measurable. With it set, each service exports its spans in batches (OTLP over
-HTTP or gRPC) under ``service.name = folio-<service>``; sampling is decided once per
-request at the API (``ParentBased(TraceIdRatioBased)``) and followed downstream through
-the W3C ``traceparent`` carried inside the internal messages.
+With no endpoint (``observability.otlp_endpoint`` null and no ``OTEL_EXPORTER_OTLP_*``
+endpoint in the environment), ``Tracing.tracer`` is None, the SDK is never imported,
+and every caller skips its span work behind one ``if``: tracing off costs nothing
+measurable. With one, each service exports its spans in batches (OTLP over HTTP or
+gRPC) under ``service.name = folio-<service>`` (``OTEL_SERVICE_NAME`` replaces the
+prefix); sampling is decided once per request at the API (``ParentBased(TraceIdRatioBased)``
+by default) and followed downstream through the W3C ``traceparent`` carried inside the
+internal messages.
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
+from typing import Any, Mapping
 
 from config.schema import ObservabilityConfig
+from observability.otel_env import OTelSettings, make_sampler, resolve
 
 TRACEPARENT_VERSION = "00"
 
 
 class Tracing:
-    """One service's tracer provider (``tracer`` is None when tracing is off)."""
+    """One service's tracer provider (``tracer`` is None when tracing is off).
 
-    def __init__(self, config: ObservabilityConfig, service: str):
+    ``settings`` merge the YAML with OpenTelemetry's standard environment (see otel_env).
+    """
+
+    def __init__(self, config: ObservabilityConfig, service: str,
+                 environ: Mapping[str, str] | None = None):
         self.config = config
         self.service = service
+        self.settings = resolve(config, service, environ)
         self.tracer = None
         self._provider = None
-        if config.otlp_endpoint is None:
+        if self.settings.endpoint is None:
             return
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+        # Resource.create also reads OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME;
+        # the attributes given here (resolved from the same variables) take precedence.
+        self._sampler = _retunable_sampler(self.settings)
         self._provider = TracerProvider(
-            resource=Resource.create({"service.name": f"folio-{service}",
+            resource=Resource.create({**self.settings.resource_attributes,
+                                      "service.name": self.settings.service_name,
                                       "service.namespace": "folio"}),
-            sampler=ParentBased(TraceIdRatioBased(config.trace_sample_ratio)))
-        self._provider.add_span_processor(BatchSpanProcessor(_exporter(config)))
+            sampler=self._sampler)
+        self._provider.add_span_processor(BatchSpanProcessor(_exporter(self.settings)))
         self.tracer = self._provider.get_tracer("folio")
 
     @property
     def enabled(self) -> bool:
         return self.tracer is not None
+
+    def set_sample_ratio(self, ratio: float | None) -> None:
+        """Sample this fraction of new traces from now on (a live retune); None: the
+        ratio the environment or the default gave at start (``settings.ratio``)."""
+        if self._provider is not None:
+            self._sampler.set_ratio(self.settings.ratio if ratio is None else ratio)
 
     def shutdown(self) -> None:
         """Flush what is buffered and stop exporting."""
@@ -47,15 +65,41 @@ class Tracing:
             self._provider.shutdown()
 
 
-def _exporter(config: ObservabilityConfig):
-    endpoint = config.otlp_endpoint.rstrip("/")
-    if config.otlp_protocol == "grpc":
+# Spans of operator actions, recorded whatever the sample ratio (they are rare).
+ALWAYS_SAMPLED_SPANS = frozenset({"config.reload"})
+
+
+def _retunable_sampler(settings: OTelSettings):
+    """The sampler ``settings`` name (otel_env.make_sampler), whose ratio can change
+    while spans are being started (one attribute swap; a span sees the old or the new
+    sampler)."""
+    from opentelemetry.sdk.trace.sampling import ALWAYS_ON, Sampler
+
+    class RetunableSampler(Sampler):
+        def __init__(self):
+            self.set_ratio(settings.ratio)
+
+        def set_ratio(self, value: float) -> None:
+            self.ratio = value
+            self._inner = make_sampler(replace(settings, ratio=value))
+
+        def should_sample(self, parent_context, trace_id, name, *args, **kwargs):
+            inner = ALWAYS_ON if name in ALWAYS_SAMPLED_SPANS else self._inner
+            return inner.should_sample(parent_context, trace_id, name, *args, **kwargs)
+
+        def get_description(self) -> str:
+            return f"Retunable{{{self._inner.get_description()}}}"
+
+    return RetunableSampler()
+
+
+def _exporter(settings: OTelSettings):
+    if settings.protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        return OTLPSpanExporter(endpoint=endpoint, insecure=endpoint.startswith("http://"))
+        return OTLPSpanExporter(endpoint=settings.endpoint,
+                                insecure=settings.endpoint.startswith("http://"))
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-    if not endpoint.endswith("/v1/traces"):
-        endpoint += "/v1/traces"
-    return OTLPSpanExporter(endpoint=endpoint)
+    return OTLPSpanExporter(endpoint=settings.endpoint)
 
 
 def traceparent_of(span: Any) -> str | None:

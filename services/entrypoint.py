@@ -115,6 +115,9 @@ def run_service(name: str, serve: Serve, parser: argparse.ArgumentParser,
                 argv: list[str] | None = None) -> int:
     """Parse arguments, load the config and run ``serve`` under uvloop; the exit status."""
     args = parser.parse_args(argv)
+    # SIGHUP means "reload the config" to a stack; only the engine core acts on it
+    # (config_reload.py), and no service may die of one that comes early.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     _die_with_supervisor()
     try:
         return _run_service(name, serve, args)
@@ -151,10 +154,22 @@ def _run_service(name: str, serve: Serve, args: argparse.Namespace) -> int:
             return 0
 
     try:
-        return uvloop.run(main())
+        status = uvloop.run(main())
     except (ServiceStartError, ConfigError, ConnectionError, OSError, ValueError) as e:
         # One actionable line for a person; JSON logs also get it as a record.
         if config.observability.log_format == "json":
             log.error("start-up failed", error=str(e))
         print(f"folio {name}: {e}", file=sys.stderr)
         return 1
+    _ignore_late_stop()
+    return status
+
+
+def _ignore_late_stop() -> None:
+    """The loop is gone, and its signal handlers with it: a SIGTERM that comes while
+    the interpreter winds down (a tensor-parallel rank told to leave by rank 0 gets its
+    own SIGTERM from a stopping launcher just then) would end a process that is already
+    stopping as killed by a signal. Ignored from here on; a wind-down that hangs still
+    gets the launcher's SIGKILL after its grace."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)

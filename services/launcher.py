@@ -1,6 +1,7 @@
 """`folio serve`: start the three services as processes, supervise them, drain on SIGTERM.
 
     folio serve ─┬─ python -m services.worker_service       (model + KV cache)
+                 ├─ python -m services.worker_service --rank r  × (tensor_parallel_size-1)
                  ├─ python -m services.engine_core_service  (scheduler, step loop)
                  └─ python -m services.api  × num_api_servers (HTTP; one shared port)
 
@@ -14,8 +15,15 @@ then drains in order) and die with the supervisor even if it is SIGKILLed
 
 Supervision: an API process that exits or dies is restarted, within
 ``services.api_restart_budget`` restarts a minute, while the others keep serving; past
-the budget the stack drains and stops. The engine core's or the worker's death stops
-the stack at once (they hold every request's state). SIGTERM, SIGINT and SIGHUP drain.
+the budget the stack drains and stops. The engine core's, the worker's or any
+tensor-parallel rank's death stops the stack at once (they hold every request's state;
+a rank has no health endpoint: rank 0 is healthy only once every rank has loaded).
+SIGTERM and SIGINT drain.
+
+SIGHUP reloads the config (README, "Live retune"): it is passed to the engine core,
+the stack's one config authority (services/engine_core_service/config_reload.py), which
+re-reads the YAML, applies its live keys in every process or refuses the whole change.
+The engine core also watches the file and answers POST /admin/reload_config.
 The socket folder `folio serve` made is removed on every exit path: by the supervisor,
 or, if the supervisor was killed, by whichever child exits first.
 
@@ -55,7 +63,7 @@ class ServiceProcess:
     """One child: its name, health endpoint, how to start it, and its process."""
 
     name: str
-    health: Endpoint
+    health: Endpoint | None  # None: a tensor-parallel rank, healthy with rank 0
     module: str
     extra_args: tuple[str, ...] = ()
     pass_fds: tuple[int, ...] = ()
@@ -98,6 +106,9 @@ class Launcher:
             socket_dir = tempfile.mkdtemp(prefix="folio-")  # mode 0700
             config = replace(config, services=replace(config.services, socket_dir=socket_dir))
             self.overrides.append(f"services.socket_dir={socket_dir}")
+        if config.parallel.is_enabled and not config.parallel.master_port:
+            config = replace(config, parallel=config.parallel.with_rendezvous_port())
+            self.overrides.append(f"parallel.master_port={config.parallel.master_port}")
         self.config = config
         self.children: list[ServiceProcess] = []
         self._stop = asyncio.Event()
@@ -134,11 +145,13 @@ class Launcher:
 
     async def _wait_healthy(self, child: ServiceProcess, deadline: float) -> None:
         loop = asyncio.get_running_loop()
+        if child.health is None:
+            return
         while True:
-            if child.process.returncode is not None:
-                raise ServiceDied(f"{child.name} exited with status "
-                                  f"{child.process.returncode} during start-up (its error "
-                                  f"is above)")
+            for c in self.children:  # a rank that dies leaves rank 0 waiting for it
+                if c.process.returncode is not None:
+                    raise ServiceDied(f"{c.name} exited with status {c.process.returncode} "
+                                      f"during start-up (its error is above)")
             status, _ = await probe_health(child.health, timeout=2.0)
             if status == 200:
                 return
@@ -154,6 +167,10 @@ class Launcher:
         host, port = api_sock.getsockname()[:2]
         await self._spawn(ServiceProcess("worker", worker_endpoint(services),
                                          "services.worker_service"))
+        for rank in range(1, self.config.parallel.tensor_parallel_size):
+            await self._spawn(ServiceProcess(f"worker-rank-{rank}", None,
+                                             "services.worker_service",
+                                             ("--rank", str(rank))))
         await self._spawn(ServiceProcess("engine-core", engine_core_endpoint(services),
                                          "services.engine_core_service"))
         fd = api_sock.fileno()
@@ -210,9 +227,19 @@ class Launcher:
         await self._terminate([c for c in self.children if c not in apis], STOP_GRACE_S)
 
     def _on_signal(self, sig: signal.Signals) -> None:
-        if sig == signal.SIGHUP:  # a config reload will take this over; until then: drain
-            self._say("SIGHUP: draining")
+        if sig == signal.SIGHUP:
+            self._forward_reload()
+            return
         self._stop.set()
+
+    def _forward_reload(self) -> None:
+        """SIGHUP: the engine core reloads the config (and logs what changed)."""
+        core = next((c for c in self.children if c.name == "engine-core"), None)
+        if core is None or core.process is None or core.process.returncode is not None:
+            self._say("SIGHUP: no engine core is running; nothing reloaded")
+            return
+        self._say("SIGHUP: reloading the config")
+        core.process.send_signal(signal.SIGHUP)
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()

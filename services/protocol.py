@@ -19,9 +19,11 @@ from engine_core.model_facts import ModelFacts
 from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.sampling_params import SamplingParams
 from engine_core.scheduler_output import NewRequestData, SchedulerOutput
+from services.control_protocol import (ControlReply, ControlRequest, WorkerControlDone,
+                                       WorkerControlOp)
 from services.wire_codec import ProtocolError, dataclass_from_plain, to_plain  # noqa: F401 (ProtocolError: re-exported)
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 10
 
 # The health snapshot's contract between the engine core (publisher) and every API
 # process (reader): pushed at most every PUBLISH interval when it changed and at least
@@ -218,6 +220,37 @@ class LoRALoadFinished:
 
 
 @dataclass(slots=True)
+class ReloadConfig:
+    """API → engine core: re-read the YAML now (POST /admin/reload_config); answered by
+    ConfigReloaded with the same ``request_id``."""
+
+    request_id: str
+
+
+@dataclass(slots=True)
+class ConfigReloaded:
+    """Engine core → API: how a reload ended. ``result``: "applied", "unchanged",
+    "refused" (``refused`` names each restart-only key) or "invalid" (bad YAML or
+    value; ``key`` names the key when there is one)."""
+
+    request_id: str
+    result: str
+    changed: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    message: str = ""
+    key: str | None = None
+
+
+@dataclass(slots=True)
+class ConfigUpdate:
+    """Engine core → API: the stack's running config as JSON (secrets included; the
+    link is the services' own). Sent when an API process joins and after every applied
+    reload; the API process takes its live keys."""
+
+    config_json: str
+
+
+@dataclass(slots=True)
 class Shutdown:
     """Ask the peer to drain and exit."""
 
@@ -228,7 +261,8 @@ MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
     AddRequest, AbortRequest, OutputDelta, RequestRejected, QueueState, ExecuteStep,
     StageNewRequests, StepResult, WorkerReady, Health, HealthSnapshot, GetMetrics, Metrics,
     LoadLoRAAdapter, UnloadLoRAAdapter, ListLoRAAdapters, LoRAReply, ApplyLoRACommands,
-    LoRALoadFinished, Shutdown)}
+    LoRALoadFinished, ControlRequest, ControlReply, WorkerControlOp, WorkerControlDone,
+    ReloadConfig, ConfigReloaded, ConfigUpdate, Shutdown)}
 
 
 def encode(message: Any) -> bytes:

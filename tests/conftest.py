@@ -45,6 +45,23 @@ def tiny_qwen2_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def perturbed_llama_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny Llama with every weight nudged (a training step's worth of change), for
+    the weight-update tests."""
+    import shutil
+    import torch
+    from safetensors.torch import load_file, save_file
+    folder = tmp_path_factory.mktemp("tiny_llama_perturbed")
+    shutil.copytree(tiny_llama_dir, folder, dirs_exist_ok=True)
+    weights = load_file(str(tiny_llama_dir / "model.safetensors"))
+    gen = torch.Generator().manual_seed(11)
+    nudged = {n: (t + 0.05 * torch.randn(t.shape, generator=gen)).contiguous()
+              for n, t in weights.items()}
+    save_file(nudged, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_draft_dir(tiny_llama_dir, default_model_path, tmp_path_factory):
     """The tiny Llama as a speculative-decoding draft of itself: a copy that ships the
     default model's tokenizer.json (a draft must come with the model's tokenizer)."""
@@ -106,3 +123,17 @@ def tiny_lora_adapters(tiny_llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny_lora")
     return {name: make_adapter(base, root / name, AdapterSpec(**spec))
             for name, spec in TINY_ADAPTERS.items()}
+
+
+# End-to-end modules, marked `slow` as a whole: they start `folio serve` stacks, spawn
+# ranks or load the real default model. `pytest -m "not slow"` leaves them out for a
+# quick local run; CI runs everything.
+SLOW_MODULE_MARKS = ("_e2e.py", "default_model.py", "test_serve_", "test_docker_compose.py",
+                     "test_client_libraries.py", "test_tensor_parallel")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = item.path.name
+        if any(mark in name for mark in SLOW_MODULE_MARKS):
+            item.add_marker(pytest.mark.slow)

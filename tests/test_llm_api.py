@@ -36,9 +36,19 @@ def test_one_params_per_prompt_and_logprobs(llm):
                         use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [3, 5]
     assert outs[0].outputs[0].logprobs is None
-    lps = outs[1].outputs[0].logprobs
-    assert len(lps) == 5 and all(len(lp.top_token_ids) == 3 for lp in lps)
-    assert math.isclose(outs[1].outputs[0].cumulative_logprob, sum(lp.logprob for lp in lps))
+    c = outs[1].outputs[0]
+    lps = c.logprobs  # vLLM's shape: {token_id: Logprob} per generated token
+    assert len(lps) == 5
+    tok = llm.get_tokenizer()
+    for token_id, entry, raw in zip(c.token_ids, lps, c.token_logprobs):
+        # the top 3 and the sampled token (greedy: it is the top 1), ranks from 1
+        assert len(entry) == 3 and token_id in entry and entry[token_id].rank == 1
+        assert list(entry) == raw.top_token_ids
+        assert sorted(e.rank for e in entry.values()) == [1, 2, 3]
+        assert entry[token_id].logprob == raw.logprob == max(e.logprob for e in entry.values())
+        assert all(e.decoded_token == tok.decode([t], skip_special_tokens=False)
+                   for t, e in entry.items())
+    assert math.isclose(c.cumulative_logprob, sum(e[t].logprob for t, e in zip(c.token_ids, lps)))
 
 
 def test_seeded_requests_reproduce_across_batch_mixes(llm):
@@ -162,3 +172,21 @@ def test_offline_chat_keeps_special_token_text_in_content_as_text(make_tiny_llm)
                       params, use_tqdm=False)[0]
     assert plain.prompt_token_ids.count(im_start) == forged.prompt_token_ids.count(im_start)
     assert len(forged.prompt_token_ids) > len(plain.prompt_token_ids)
+
+
+def test_chat_continue_final_message_leaves_the_last_message_open(llm):
+    """vLLM's ``LLM.chat(..., continue_final_message=True, add_generation_prompt=False)``:
+    the prompt ends with the final message's text, without its end of turn."""
+    from text.chat_template import ChatTemplateError
+    conv = [{"role": "user", "content": "Tell me a story"},
+            {"role": "assistant", "content": "Once upon"}]
+    tok = llm.get_tokenizer()
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+    [out] = llm.chat(conv, greedy, add_generation_prompt=False, continue_final_message=True,
+                     use_tqdm=False)
+    closed = tok.apply_chat_template(conv, add_generation_prompt=False)
+    open_text = closed[:closed.rindex("Once upon") + len("Once upon")]
+    assert closed != open_text
+    assert out.prompt_token_ids == tok.encode(open_text, add_special_tokens=False)
+    with pytest.raises(ChatTemplateError, match="continue_final_message"):
+        llm.chat(conv, greedy, continue_final_message=True, use_tqdm=False)

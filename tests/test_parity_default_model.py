@@ -105,7 +105,8 @@ def test_chat_produces_a_sensible_answer(llm):
 def quantized(default_model_path, **kw):
     from folio import LLM
     return LLM(model=str(default_model_path), dtype="float32", max_model_len=1024,
-               num_blocks=512, **{"observability.log_level": "warning", **kw})
+               num_blocks=512, quantization="auto",
+               **{"observability.log_level": "warning", **kw})
 
 
 @pytest.fixture(scope="module")
@@ -192,18 +193,20 @@ def test_int8_route_on_real_activations_is_exactly_its_rounding(int8_llm):
         assert (ours - exact).norm() <= 0.02 * exact.norm(), name  # measured 0.3-1.2%
 
 
-def test_shipped_default_answers_the_capital_of_france():
-    # The default config as shipped (dtype auto: bf16 where the CPU multiplies it,
-    # quantization auto: the Q4_1 blocks kept). The first token is a close call ("The"
-    # 0.08 logits above "L" in the dequantised model): with int8 activations the LM head
-    # alone moved "L" ahead and the answer began "L'Étoile, la Marseillaise".
+@pytest.mark.parametrize("quantization", ["none", "auto"])
+def test_default_config_answers_the_capital_of_france(quantization):
+    # The default config (dtype auto: bf16 where the CPU multiplies it), dequantised as
+    # shipped or with the Q4_1 blocks kept. The first token is a close call ("The" 0.08
+    # logits above "L" in the dequantised model): with int8 activations the LM head alone
+    # moved "L" ahead and the answer began "L'Étoile, la Marseillaise".
     from folio import LLM
-    llm = LLM(model="default", max_model_len=1024, num_blocks=256,
+    llm = LLM(model="default", max_model_len=1024, num_blocks=256, quantization=quantization,
               **{"observability.log_level": "warning"})
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0]
-    assert llm.runner.quantization == "gguf"
+    assert llm.runner.quantization == {"none": "none", "auto": "gguf"}[quantization]
     assert "Paris" in out.outputs[0].text
+
 
 # An adapter built by peft on the default model: all seven projections at rank 16 with
 # rsLoRA (B scaled down so the model still writes text). tests/test_lora_llm.py covers

@@ -16,6 +16,7 @@ import pytest
 from config import ConfigError
 from engine_core.sampling_params import SamplingParams
 from tests.conftest import _save_tiny
+from tests.oracle_proposer import OracleProposer
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -125,27 +126,6 @@ def test_greedy_identity_in_a_batch_with_chunked_prefill_and_preemption(
     assert kv.num_free_blocks == kv.block_pool.num_blocks - 1
 
 
-class Oracle:
-    """Proposes each request's true continuation (from a run without drafts), every
-    draft wrong with probability 0.3: accept lengths are random."""
-
-    def __init__(self, continuations: dict[tuple, list[int]]):
-        self.continuations = continuations
-        self.rng = random.Random(3)
-
-    def propose(self, requests, num_drafts):
-        out = []
-        for request, k in zip(requests, num_drafts):
-            truth = self.continuations[tuple(request.prompt_token_ids)]
-            done = request.num_output_tokens
-            out.append([t if self.rng.random() > 0.3 else (t + 1) % 49152
-                        for t in truth[done:done + k]])
-        return out
-
-    def forget(self, req_id):
-        pass
-
-
 SAMPLED = [
     SamplingParams(temperature=0.8, top_p=0.9, seed=11, max_tokens=20, ignore_eos=True,
                    logprobs=2),
@@ -165,8 +145,7 @@ def test_seeded_sampling_draws_the_same_tokens_and_logprobs_with_drafts(make_tin
     plain = make_tiny_llm(**pool).generate(chosen, SAMPLED, use_tqdm=False)
     llm = make_tiny_llm(speculative_method="ngram", **pool,
                         **{"speculative.enable_adaptive": False})
-    llm.engine.scheduler.speculator.proposer = Oracle({
-        tuple(p["prompt_token_ids"]): o.outputs[0].token_ids for p, o in zip(chosen, plain)})
+    llm.engine.scheduler.speculator.proposer = OracleProposer(plain, seed=3)
     spec = llm.generate(chosen, SAMPLED, use_tqdm=False)
     assert tokens(spec) == tokens(plain)
     stats = llm.engine.get_stats().spec_decode
@@ -175,7 +154,7 @@ def test_seeded_sampling_draws_the_same_tokens_and_logprobs_with_drafts(make_tin
         if a.outputs[0].logprobs is None:
             assert b.outputs[0].logprobs is None
             continue
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+        for x, y in zip(a.outputs[0].token_logprobs, b.outputs[0].token_logprobs):
             # float rounding differs between a chunk and a decode: near-ties may swap
             assert x.token_id == y.token_id and abs(x.rank - y.rank) <= 2
             assert x.top_token_ids == y.top_token_ids

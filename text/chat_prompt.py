@@ -79,6 +79,33 @@ def render_chat_prompt(render: Callable[[list[dict[str, Any]]], str],
     return ChatPrompt(((text, False),))
 
 
+def continue_final(prompt: ChatPrompt, final_content: str) -> ChatPrompt:
+    """``prompt`` (rendered without a generation prompt) cut right after the final
+    message's content, so the model goes on with that message instead of opening a new
+    one (vLLM's ``continue_final_message``): the template's end-of-turn text is dropped.
+
+        <|im_start|>assistant\nOnce upon  ·  <|im_end|>\n   →   <|im_start|>assistant\nOnce upon
+                                            └─ cut ──────┘
+
+    The final message's content is the last content piece (templates render messages
+    in order); a one-piece rendering is cut after the content's last occurrence (its
+    stripped text, for templates that trim). ChatTemplateError when the template does
+    not render the content at all or the content is empty.
+    """
+    if not final_content.strip():
+        raise ChatTemplateError("continue_final_message needs a final message with content")
+    pieces = prompt.pieces
+    last = max((i for i, (_, is_content) in enumerate(pieces) if is_content), default=None)
+    if last is not None and pieces[last][0] == final_content:
+        return ChatPrompt(pieces[:last + 1])
+    text = prompt.text
+    needle = final_content if final_content in text else final_content.strip()
+    if needle not in text:
+        raise ChatTemplateError("continue_final_message: the chat template does not render "
+                                "the final message's content, so it cannot be continued")
+    return ChatPrompt(((text[:text.rindex(needle) + len(needle)], False),))
+
+
 class ChatPromptEncoder:
     """Encodes a :class:`ChatPrompt`: special ids only where the template wrote them."""
 

@@ -1,9 +1,10 @@
 """vLLM's logprob shape for the offline API: one ``{token_id: Logprob}`` dict per token.
 
 Folio's engine speaks :class:`~engine_core.outputs.TokenLogprobs` (ids and floats);
-scripts ported from vLLM read ``RequestOutput.prompt_logprobs`` as a list whose first
-item is None (the first prompt token has no context) and whose others map the prompt
-token and the top-k tokens at that position to a :class:`Logprob`.
+scripts ported from vLLM read ``CompletionOutput.logprobs`` as one dict per generated
+token (the sampled token and the top-k tokens at that position, each a
+:class:`Logprob`) and ``RequestOutput.prompt_logprobs`` as a list whose first item is
+None (the first prompt token has no context) and whose others are such dicts.
 """
 from __future__ import annotations
 

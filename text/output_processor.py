@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from engine_core.outputs import EngineCoreOutput
 from engine_core.sampling_params import SamplingParams
-from text.logprob import prompt_logprobs
+from text.logprob import position_logprobs, prompt_logprobs
 from text.request_output import RequestOutput
 from text.request_state import RequestState
 from text.tokenizer import Tokenizer
@@ -53,12 +53,19 @@ class OutputProcessor:
                 step.to_abort.append(out.req_id)
             if state.finished:
                 self._forget(state)
-                output = state.output
-                if output.prompt_token_logprobs is not None:  # vLLM's shape offline
-                    output.prompt_logprobs = prompt_logprobs(output.prompt_token_logprobs,
-                                                             self.tokenizer)
-                step.finished.append(output)
+                step.finished.append(self._with_vllm_logprobs(state.output))
         return step
+
+    def _with_vllm_logprobs(self, output: RequestOutput) -> RequestOutput:
+        """``output`` with vLLM's logprob shapes filled from the engine's (offline only:
+        the API renders the engine's directly, without decoding every top-k token)."""
+        if output.prompt_token_logprobs is not None:
+            output.prompt_logprobs = prompt_logprobs(output.prompt_token_logprobs,
+                                                     self.tokenizer)
+        for c in output.outputs:
+            if c.token_logprobs is not None:
+                c.logprobs = [position_logprobs(lp, self.tokenizer) for lp in c.token_logprobs]
+        return output
 
     def abort(self, req_id: str) -> RequestOutput | None:
         """Forget a request (client went away); returns its partial output."""
@@ -66,7 +73,7 @@ class OutputProcessor:
         if state is None:
             return None
         self._forget(state)
-        return state.abort()
+        return self._with_vllm_logprobs(state.abort())
 
     def _forget(self, state: RequestState) -> None:
         del self._requests[state.req_id]

@@ -15,9 +15,13 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    logprobs: list[TokenLogprobs] | None = None
+    # logprobs set: vLLM's shape, one {token_id: Logprob} dict per generated token (the
+    # sampled token and the top-k there); filled offline when the request ends
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # stop token id or stop string that ended it
+    # the same as the engine sent them, growing as tokens arrive (what the API renders)
+    token_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

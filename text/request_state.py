@@ -57,7 +57,7 @@ class RequestState:
             completion = CompletionOutput(
                 index=index, text="", token_ids=[],
                 cumulative_logprob=0.0 if self.want_logprobs else None,
-                logprobs=[] if self.want_logprobs else None)
+                token_logprobs=[] if self.want_logprobs else None)
             self._samples[child_id] = _Sample(completion, detokenizer)
             self.output.outputs.append(completion)
 
@@ -96,7 +96,7 @@ class RequestState:
         c.token_ids.extend(new_ids)
         logprobs = list(out.new_logprobs or [])[:len(new_ids)] if self.want_logprobs else []
         if logprobs:
-            c.logprobs.extend(logprobs)
+            c.token_logprobs.extend(logprobs)
             c.cumulative_logprob += sum(lp.logprob for lp in logprobs)
         text, abort = released.text, False
         if released.is_stopped:

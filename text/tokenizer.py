@@ -14,8 +14,9 @@ from typing import Any, Iterable
 
 from tokenizers import Tokenizer as BackendTokenizer
 
-from text.chat_prompt import ChatPrompt, ChatPromptEncoder, render_chat_prompt
-from text.chat_template import ChatTemplate, ChatTemplateError, inline_tool_calls
+from text.chat_prompt import ChatPrompt, ChatPromptEncoder, continue_final, render_chat_prompt
+from text.chat_template import (ChatTemplate, ChatTemplateError, inline_tool_calls,
+                                validate_messages)
 from text.gguf_tokenizer import build_gguf_tokenizer
 from text.token_span import TokenSpan, token_span
 from model_files.gguf_file import GGUFFile
@@ -108,13 +109,22 @@ class Tokenizer:
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                     split_content: bool = True,
-                    tools: list[dict[str, Any]] | None = None) -> ChatPrompt:
+                    tools: list[dict[str, Any]] | None = None,
+                    continue_final_message: bool = False) -> ChatPrompt:
         """Render a conversation for :meth:`encode_chat`. With ``split_content`` (the
         safe default) special-token text in message content stays plain text; without
         it the whole rendering is encoded as one string (content may write special ids).
         ``tools`` go to templates that render them; a template that does not render
         ``tool_calls`` sees them as the assistant message's content (as plain text).
+        ``continue_final_message`` leaves the final message open (its end-of-turn text
+        cut off) for the model to go on with; it excludes ``add_generation_prompt``.
         """
+        if continue_final_message:
+            if add_generation_prompt:
+                raise ChatTemplateError("continue_final_message and add_generation_prompt "
+                                        "cannot both be true")
+            prompt = self.render_chat(messages, False, split_content, tools)
+            return continue_final(prompt, validate_messages(messages)[-1]["content"])
         if self._template is not None and "tool_calls" not in self._template.source:
             messages = inline_tool_calls(messages)
 

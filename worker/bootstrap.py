@@ -15,24 +15,40 @@ from engine_core.engine import EngineCore
 from engine_core.model_facts import ModelFacts
 from model_files.paths import resolve_model_path
 from text.tokenizer import Tokenizer
+from worker.device import resolve_device
+from worker.distributed.follower import check_tp_supported
+from worker.distributed.tp_group import init_tp_group
 from worker.draft_runner import check_draft_tokenizer
 from worker.model_runner import ModelRunner
+from worker.worker_control import WorkerControl
 
 
 @dataclass(slots=True)
 class LoadedModel:
-    """A model ready to run: its runner (weights + KV cache), tokenizer and facts."""
+    """A model ready to run: its runner (weights + KV cache), tokenizer, facts and
+    control verbs (sleep, weight updates, collective_rpc)."""
 
     runner: ModelRunner
     tokenizer: Tokenizer
     facts: ModelFacts
+    control: WorkerControl
 
 
 def bootstrap_model(config: FolioConfig) -> LoadedModel:
     """Load the model of ``config`` and allocate its KV pool (call on the thread that
-    will run the model: torch keeps one OpenMP team per calling thread)."""
+    will run the model: torch keeps one OpenMP team per calling thread).
+
+    With ``parallel.tensor_parallel_size`` > 1 this process is rank 0: it joins the
+    group (the other ranks must be starting: worker/distributed/rank_processes.py or
+    `folio serve`) and holds rank 0's slice; the facts are every rank's (the KV pool is
+    the smallest any rank can hold)."""
+    tp = None
+    if config.parallel.is_enabled:
+        check_tp_supported(config)
+        tp = init_tp_group(config.parallel, 0, resolve_device(config.worker.device))
     runner = ModelRunner(config.model, config.memory, config.worker, config.scheduler,
-                         lora_config=config.lora, speculative_config=config.speculative)
+                         lora_config=config.lora, speculative_config=config.speculative,
+                         tp=tp)
     if runner.lora is not None:
         runner.lora.check_declared()  # a bad adapter in the YAML fails start-up
     num_blocks = runner.initialize_kv_cache()
@@ -47,7 +63,7 @@ def bootstrap_model(config: FolioConfig) -> LoadedModel:
                        vocab_size=runner.arch.vocab_size, eos_token_ids=eos_token_ids,
                        dtype=str(runner.dtype).removeprefix("torch."),
                        device=str(runner.device))
-    return LoadedModel(runner, tokenizer, facts)
+    return LoadedModel(runner, tokenizer, facts, WorkerControl(runner, config.worker))
 
 
 def in_process_engine(config: FolioConfig) -> tuple[LoadedModel, EngineCore]:

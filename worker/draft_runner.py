@@ -18,6 +18,8 @@ the k drafts, positions below N + min(a, k-1) hold K/V of true tokens:
 the rest. A request the runner sees anew (new, resumed, forked) starts from 0, so the
 draft cache never needs copies, and shared prefix blocks are only ever rewritten with
 the same values. Blocks the scheduler drops hold only positions >= N + a.
+A constrained request drafts only what its grammar allows (structured_output/
+draft_guide.py).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from worker.loader import load_model
 from worker.models.architecture import ModelArchitecture
 from worker.models.registry import build_model
 from worker.request_state import CachedRequestState
+from worker.structured_output.draft_guide import DraftGuide
 
 _MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) over generator seeds
 
@@ -72,16 +75,20 @@ class DraftRunner:
         sampled its drafts (temperature > 0), the draft distributions ``[k, vocab]``."""
         drafts: list[list[int]] = [[] for _ in states]
         probs: list[list[torch.Tensor]] = [[] for _ in states]
+        guide = DraftGuide(states, self.arch.vocab_size)  # constrained: grammar-guided
         for j in range(max(num_drafts, default=0)):
             active = [i for i, k in enumerate(num_drafts) if k > j]
             views = [self._view(states[i], drafts[i], j) for i in active]
             logits = self._forward(views)
+            guide.mask(logits, active)
             positions = [len(states[i].token_ids) + j for i in active]
             tokens, q = self._sample(logits, [states[i] for i in active], positions)
             for row, i in enumerate(active):
                 drafts[i].append(tokens[row])
+                guide.advance(i, tokens[row])
                 if q is not None:
                     probs[i].append(q[row])
+        guide.finish()
         for state, d in zip(states, drafts):
             state.spec_token_ids = d
         return {s.req_id: torch.stack(p) for s, p in zip(states, probs)

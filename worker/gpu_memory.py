@@ -22,7 +22,7 @@ import torch
 
 from engine_core.worker_sampling import WorkerSamplingParams
 from observability.logging import get_logger
-from worker.kv_cache import KVCacheSpec, allocate_kv_cache
+from worker.kv_cache import allocate_kv_cache
 from worker.request_state import CachedRequestState
 
 log = get_logger(__name__)
@@ -63,7 +63,7 @@ def run_profile_step(runner, max_num_batched_tokens: int, max_num_seqs: int) -> 
     lengths = profile_prompt_lengths(max_num_batched_tokens, runner.max_model_len,
                                      max_num_seqs)
     states = _dummy_states(lengths, runner.block_size)
-    spec = KVCacheSpec.for_model(runner.arch, runner.block_size, runner.dtype)
+    spec = runner.kv_cache_spec()
     scratch_blocks = 1 + sum(len(s.block_ids) for s in states)
     scratch = allocate_kv_cache(spec, scratch_blocks, runner.device)
     batch = build_input_batch(states, lengths, runner.block_size, runner.arch.sliding_window,
@@ -79,7 +79,7 @@ def profile_graph_bytes(runner) -> int:
     """Capture the runner's decode graphs on a two-block scratch cache (their padding
     rows read and write no block), free them; the memory they held."""
     from worker.cuda_graphs import DecodeCudaGraphs
-    spec = KVCacheSpec.for_model(runner.arch, runner.block_size, runner.dtype)
+    spec = runner.kv_cache_spec()
     graphs = DecodeCudaGraphs.for_runner(runner, allocate_kv_cache(spec, 2, runner.device))
     graph_bytes = graphs.capture()
     del graphs

@@ -25,7 +25,7 @@ SUPPORTED_HF_ARCHITECTURES = {
 }
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Buffers some exporters save next to the weights; the model recomputes them.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -136,7 +136,7 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
-def _read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(file)
     except SafetensorError as e:  # truncated, garbage, a bad header
@@ -150,8 +150,8 @@ def load_hf_state_dict(folder: Path, architecture: ModelArchitecture,
     """All weights of the folder, cast to ``dtype``; lm_head dropped when embeddings are tied."""
     state_dict: dict[str, torch.Tensor] = {}
     for file in safetensors_files(folder):
-        for name, tensor in _read_safetensors(file).items():
-            if name.endswith(_IGNORED_SUFFIXES):
+        for name, tensor in read_safetensors(file).items():
+            if name.endswith(IGNORED_SUFFIXES):
                 continue
             state_dict[name] = tensor.to(dtype)
     if architecture.tie_word_embeddings:

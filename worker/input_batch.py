@@ -28,6 +28,7 @@ import torch
 
 from kernels.paged_attention import make_plan, make_ragged_plan, pack_aligned
 from worker.attention_backend import NATIVE_CPU, TORCH, AttentionBackend
+from worker.distributed.step_channel import StepArrays
 from worker.models.llama import AttentionContext
 from worker.request_state import CachedRequestState
 
@@ -52,6 +53,7 @@ class InputBatch:
     # request_start_loc[i:i + 2] (query_start_loc splits verify chunks into rows)
     scheduled_states: list[CachedRequestState] = field(default_factory=list)
     request_start_loc: list[int] = field(default_factory=list)
+    arrays: StepArrays | None = None  # what the tensors were built from (TP broadcast)
 
     @property
     def is_decode_only(self) -> bool:
@@ -130,26 +132,41 @@ def build_input_batch(states: list[CachedRequestState], num_scheduled: list[int]
     if as_decodes and any(_is_verify(s, n) for s, n in zip(states, counts)):
         query_start_loc, seq_lens, block_tables = _decode_rows(states, counts, seq_lens,
                                                                block_tables)
+    arrays = StepArrays(np.asarray(input_ids, dtype=np.int64), positions, slot_mapping,
+                        query_start_loc, seq_lens, block_tables)
+    input_ids, positions, attn, logits_indices = batch_tensors(
+        arrays, logits_indices, block_size, sliding_window, backend)
+    return InputBatch(
+        input_ids=input_ids, positions=positions, attn=attn,
+        logits_indices=logits_indices, sampling_states=sampling_states,
+        query_start_loc=query_start_loc, seq_lens=seq_lens,
+        lora_ids=[s.lora_id for s in states], scheduled_states=states,
+        request_start_loc=request_start_loc, arrays=arrays)
+
+
+def batch_tensors(arrays: StepArrays, logits_indices: list[int], block_size: int,
+                  sliding_window: int | None, backend: AttentionBackend):
+    """(input_ids, positions, AttentionContext, logits_indices) on the backend's device
+    from the host arrays: rank 0 and, from the broadcast arrays, every other
+    tensor-parallel rank (worker/distributed/step_channel.py) build the same plan here."""
     device = backend.device
+    qsl, seq_lens, block_tables = arrays.query_start_loc, arrays.seq_lens, arrays.block_tables
     if backend.is_triton:
-        plan = make_ragged_plan(query_start_loc, seq_lens, block_tables, device,
+        plan = make_ragged_plan(qsl, seq_lens, block_tables, device,
                                 backend.num_kv_heads, sliding_window, backend.num_sms)
     else:
-        plan = make_plan(query_start_loc, seq_lens, torch.from_numpy(block_tables),
+        plan = make_plan(qsl, seq_lens, torch.from_numpy(block_tables),
                          block_size, sliding_window, backend.name == NATIVE_CPU)
         if device.type != "cpu":
             plan = plan.to(device)
     if device.type == "cpu":
         input_ids, positions, slot_mapping, logits_indices = (
-            torch.tensor(input_ids, dtype=torch.int64), torch.from_numpy(positions),
-            torch.from_numpy(slot_mapping), torch.tensor(logits_indices, dtype=torch.int64))
+            torch.from_numpy(arrays.input_ids), torch.from_numpy(arrays.positions),
+            torch.from_numpy(arrays.slot_mapping),
+            torch.tensor(logits_indices, dtype=torch.int64))
     else:  # one host-to-device copy for every token-level array
         input_ids, positions, slot_mapping, logits_indices = pack_aligned(
-            [input_ids, positions, slot_mapping, logits_indices], np.int64, device)
-    return InputBatch(
-        input_ids=input_ids, positions=positions,
-        attn=AttentionContext(slot_mapping=slot_mapping, plan=plan),
-        logits_indices=logits_indices, sampling_states=sampling_states,
-        query_start_loc=query_start_loc, seq_lens=seq_lens,
-        lora_ids=[s.lora_id for s in states], scheduled_states=states,
-        request_start_loc=request_start_loc)
+            [arrays.input_ids, arrays.positions, arrays.slot_mapping, logits_indices],
+            np.int64, device)
+    return (input_ids, positions, AttentionContext(slot_mapping=slot_mapping, plan=plan),
+            logits_indices)

@@ -19,8 +19,11 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @classmethod
-    def for_model(cls, arch: ModelArchitecture, block_size: int, dtype: torch.dtype):
-        return cls(arch.num_hidden_layers, block_size, arch.num_key_value_heads,
+    def for_model(cls, arch: ModelArchitecture, block_size: int, dtype: torch.dtype,
+                  num_kv_heads: int | None = None):
+        """``num_kv_heads``: this rank's KV heads under tensor parallelism (the cache is
+        sharded by KV head); None: all of the model's."""
+        return cls(arch.num_hidden_layers, block_size, num_kv_heads or arch.num_key_value_heads,
                    arch.head_dim, dtype)
 
     @property

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -15,9 +14,12 @@ from observability.logging import get_logger
 from worker.attention_backend import (NATIVE_CPU, AttentionBackend, choose_attention_backend,
                                      make_attention_backend)
 from worker.device import resolve_device, resolve_dtype
-from worker.draft_runner import DraftRunner, draft_probs_rows
+from worker.distributed.step_channel import StepChannel
+from worker.distributed.tp_group import TPGroup
+from worker.draft_runner import DraftRunner
 from worker.input_batch import InputBatch, build_input_batch
-from worker.kv_cache import KVCacheSpec, allocate_kv_cache, copy_blocks
+from worker.kv_cache import KVCacheSpec, copy_blocks
+from worker.kv_pool import initialize_kv_pool
 from worker.linear_backend import choose_linear_backends
 from worker.loader import load_model
 from worker.quantization import load_weights, quantization_for_device, release_freed_memory
@@ -29,20 +31,10 @@ from worker.request_state import CachedRequestState, make_generator
 from worker.sampler import Sampler
 from worker.sampling_metadata import SamplingMetadata
 from worker.speculative_sampler import SpeculativeSampler
+from worker.step_timing import StepTiming
 from worker.structured_output import StructuredOutputManager
 
 log = get_logger(__name__)
-
-
-@dataclass(slots=True)
-class StepTiming:
-    """Where one step's time went: building the batch, the forward pass, sampling;
-    ``draft_seconds``: the draft model proposing (speculative decoding)."""
-
-    prepare_seconds: float = 0.0
-    draft_seconds: float = 0.0
-    forward_seconds: float = 0.0
-    sample_seconds: float = 0.0
 
 
 class ModelRunner:
@@ -56,12 +48,18 @@ class ModelRunner:
     adapters (worker/lora/lora_manager.py). With ``speculative_config`` on, steps verify
     drafts (worker/speculative_sampler.py) and, for draft_model, a DraftRunner proposes
     them.
+
+    With ``tp`` (a tensor-parallel group) it holds this rank's slice of the model and KV
+    cache. On rank 0 each step's inputs and logits requests are broadcast to the other
+    ranks (worker/distributed/step_channel.py), which run the same forward in
+    worker/distributed/follower.py; sampling happens here, on rank 0 only.
     """
 
     def __init__(self, model_config: ModelConfig, memory_config: MemoryConfig,
                  worker_config: WorkerConfig, scheduler_config: SchedulerConfig | None = None,
                  lora_config: LoRAConfig | None = None,
-                 speculative_config: SpeculativeConfig | None = None):
+                 speculative_config: SpeculativeConfig | None = None,
+                 tp: TPGroup | None = None):
         self.model_config = model_config
         self.worker_config = worker_config
         self.memory_config = memory_config
@@ -69,15 +67,16 @@ class ModelRunner:
         self.last_timing = StepTiming()
         if worker_config.num_threads:
             torch.set_num_threads(worker_config.num_threads)
-        self.device = resolve_device(worker_config.device)
+        self.tp = tp
+        self.device = resolve_device(worker_config.device) if tp is None else tp.device
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         t0 = time.perf_counter()
         loaded = load_model(model_config.path, self.dtype,
                             quantization=quantization_for_device(model_config.quantization,
-                                                                self.device))
+                                                                self.device, tp is not None))
         self.arch = loaded.architecture
         self.max_model_len = self._resolve_max_model_len()
-        self.model = build_model(self.arch, self.max_model_len + 1)
+        self.model = build_model(self.arch, self.max_model_len + 1, tp)
         self.quantization = load_weights(self.model, loaded, self.device, self.dtype)
         k_major_weights = (self.device.type == "cpu" and worker_config.k_major_weights
                            and self.model.prepare_for_cpu())
@@ -89,6 +88,8 @@ class ModelRunner:
                   k_major_weights=k_major_weights, quantization=self.quantization,
                   architecture=self.arch.architecture, seconds=round(self.load_seconds, 2))
         self.block_size = memory_config.block_size
+        self.channel = (StepChannel(tp, self.arch.hidden_size, self.dtype)
+                        if tp is not None and tp.is_first else None)
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
@@ -115,7 +116,12 @@ class ModelRunner:
         if self.device.type == "cpu" and cpu_extension.load_seconds is not None:
             extra["build_or_load_seconds"] = round(cpu_extension.load_seconds, 2)
         log.debug("attention backend", backend=name, device=str(self.device), **extra)
-        return make_attention_backend(name, self.device, self.arch.num_key_value_heads)
+        return make_attention_backend(name, self.device, self.model.shard.num_kv_heads)
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """One block's layout on this rank (its KV heads only, under tensor parallelism)."""
+        return KVCacheSpec.for_model(self.arch, self.block_size, self.dtype,
+                                     self.model.shard.num_kv_heads)
 
     @property
     def use_native_decode(self) -> bool:
@@ -131,63 +137,14 @@ class ModelRunner:
                              f"{limit} positions")
         return wanted
 
-    def _kv_cache_budget(self) -> tuple[int, str]:
-        """Bytes for the KV pool and the key that sets them (for error messages)."""
-        if self.device.type != "cuda":
-            return self.memory_config.kv_cache_bytes, "memory.kv_cache_bytes"
-        from worker.gpu_memory import profile_kv_cache_bytes
-        sched = self.scheduler_config
-        budget, self.graph_reserve_bytes = profile_kv_cache_bytes(
-            self, sched.max_num_batched_tokens, sched.max_num_seqs,
-            self.memory_config.gpu_memory_utilization, with_graphs=self._wants_cuda_graphs())
-        return budget, "memory.gpu_memory_utilization"
-
     def initialize_kv_cache(self) -> int:
-        """Allocate the KV pool from the memory budget; returns the number of blocks.
+        """Allocate the KV pool from the memory budget; returns the number of blocks
+        (worker/kv_pool.py: how the budget is found, and the CUDA graphs after it)."""
+        return initialize_kv_pool(self)
 
-        CPU: memory.kv_cache_bytes. CUDA: what a profiling step at the largest batch and
-        a profiled graph capture leave of memory.gpu_memory_utilization
-        (worker/gpu_memory.py); then the decode CUDA graphs are captured unless
-        worker.enforce_eager. memory.num_blocks, when set, overrides either budget.
-        """
-        spec = KVCacheSpec.for_model(self.arch, self.block_size, self.dtype)
-        num_blocks, key = self.memory_config.num_blocks, "memory.num_blocks"
-        if not num_blocks:
-            budget, key = self._kv_cache_budget()
-            draft = self.draft_runner.kv_spec.bytes_per_block if self.draft_runner else 0
-            num_blocks = budget // (spec.bytes_per_block + draft)
-        needed = -(-self.max_model_len // self.block_size) + 1
-        if num_blocks < needed:
-            raise ValueError(
-                f"KV cache too small: {num_blocks} blocks of {self.block_size} tokens cannot "
-                f"hold one sequence of max_model_len={self.max_model_len} ({needed} blocks "
-                f"needed, {spec.bytes_per_block} bytes each); raise {key} or lower "
-                f"model.max_model_len")
-        self.kv_caches = allocate_kv_cache(spec, num_blocks, self.device)
-        if self.draft_runner is not None:
-            self.draft_runner.allocate_kv_cache(num_blocks)
-        log.debug("kv cache allocated", num_blocks=num_blocks,
-                  num_tokens=num_blocks * self.block_size,
-                  bytes=num_blocks * spec.bytes_per_block, sized_by=key)
-        self._maybe_capture_cuda_graphs()
-        return num_blocks
-
-    def _wants_cuda_graphs(self) -> bool:
+    def wants_cuda_graphs(self) -> bool:
         return (self.device.type == "cuda" and not self.worker_config.enforce_eager
-                and self.attention_backend.is_triton)
-
-    def _maybe_capture_cuda_graphs(self) -> None:
-        if not self._wants_cuda_graphs():
-            return
-        from worker.cuda_graphs import DecodeCudaGraphs
-        self.cuda_graphs = DecodeCudaGraphs.for_runner(self, self.kv_caches)
-        used = self.cuda_graphs.capture()
-        log.info("cuda graph memory", used_mib=round(used / 2 ** 20, 1),
-                 reserved_in_budget_mib=round(self.graph_reserve_bytes / 2 ** 20, 1))
-        if self.graph_reserve_bytes and used > self.graph_reserve_bytes:
-            log.warning("cuda graphs took more memory than the KV budget reserved",
-                        used_mib=round(used / 2 ** 20, 1),
-                        reserved_mib=round(self.graph_reserve_bytes / 2 ** 20, 1))
+                and self.attention_backend.is_triton and self.tp is None)
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for req_id in so.finished_req_ids:
@@ -229,6 +186,19 @@ class ModelRunner:
             return self.cuda_graphs.run(batch)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn, lora)
 
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of these hidden rows; under tensor parallelism the other ranks are
+        asked for their vocabulary slices first (rank 0 only)."""
+        if self.channel is not None:
+            self.channel.send_logits(hidden)
+        return self.model.compute_logits(hidden)
+
+    def stop_followers(self) -> None:
+        """Rank 0 under tensor parallelism: let the other ranks leave their loop."""
+        if self.channel is not None:
+            self.channel.send_stop()
+            self.channel = None
+
     def synchronize(self) -> None:
         """Wait for the device, so a wall-clock split of the step is honest on CUDA."""
         if self.device.type == "cuda":
@@ -255,9 +225,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         timing = self.last_timing = StepTiming()
         self._update_states(so)
-        copy_blocks(self.kv_caches, [c.src for c in so.blocks_to_copy],
-                    [c.dst for c in so.blocks_to_copy])
+        copies = [c.src for c in so.blocks_to_copy], [c.dst for c in so.blocks_to_copy]
+        copy_blocks(self.kv_caches, *copies)
         if so.total_num_scheduled_tokens == 0:
+            if self.channel is not None and copies[0]:
+                self.channel.send_step(None, *copies)
             return ModelRunnerOutput()
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
@@ -269,15 +241,17 @@ class ModelRunner:
                 if self.lora is not None else None)
         # constrained rows' masks fill on a thread while the forward runs
         grammar_step = self.structured_output.begin_step(batch.sampling_states)
+        if self.channel is not None:
+            self.channel.send_step(batch.arrays, *copies)
         t1 = time.perf_counter()
         timing.prepare_seconds = t1 - t0
         hidden = self.forward(batch, lora)
-        prompt_logprobs = (compute_prompt_logprobs(self.model, hidden, batch) if any(
+        prompt_logprobs = (compute_prompt_logprobs(self, hidden, batch) if any(
             s.sampling_params.prompt_logprobs is not None for s in states) else {})
         for state, n in zip(states, (so.num_scheduled_tokens[r] for r in req_ids)):
             state.num_computed_tokens += n
         sampling = batch.sampling_states
-        logits = self.model.compute_logits(hidden[batch.logits_indices]) if sampling else None
+        logits = self.compute_logits(hidden[batch.logits_indices]) if sampling else None
         self.synchronize()
         t2 = time.perf_counter()
         timing.forward_seconds = t2 - t1
@@ -285,18 +259,22 @@ class ModelRunner:
             return ModelRunnerOutput(
                 structured_output=self.structured_output.take_report(None),
                 prompt_logprobs=prompt_logprobs)
-        if self.spec_sampler is not None:  # never with a grammar: the engine core refuses
-            output = self._sample_speculative(logits, sampling, draft_probs)  # those
-            output.prompt_logprobs = prompt_logprobs
+        if self.spec_sampler is not None:  # constrained rows masked along their drafts
+            sampling, tokens, logprobs = self.spec_sampler.verify(
+                logits, sampling, draft_probs, grammar_step, self.draft_runner)
             timing.sample_seconds = time.perf_counter() - t2
-            return output
+            return ModelRunnerOutput(req_ids=[s.req_id for s in sampling],
+                                     sampled_token_ids=tokens, logprobs=logprobs,
+                                     structured_output=self.structured_output.take_report(
+                                         grammar_step),
+                                     prompt_logprobs=prompt_logprobs)
         if grammar_step is not None:  # masks applied; rows still compiling deferred
             logits, sampling = grammar_step.apply(logits, sampling)
         token_list, logprobs = self.sample(sampling, logits)
         for state, token in zip(sampling, token_list):
             state.token_ids.append(token)
         if grammar_step is not None:
-            grammar_step.accept(token_list)
+            grammar_step.accept([[t] for t in token_list])
         timing.sample_seconds = time.perf_counter() - t2
         return ModelRunnerOutput(req_ids=[s.req_id for s in sampling],
                                  sampled_token_ids=[[t] for t in token_list],
@@ -304,17 +282,3 @@ class ModelRunner:
                                  structured_output=self.structured_output.take_report(
                                      grammar_step),
                                  prompt_logprobs=prompt_logprobs)
-
-    def _sample_speculative(self, logits: torch.Tensor, states: list[CachedRequestState],
-                            draft_probs: dict[str, torch.Tensor]) -> ModelRunnerOutput:
-        """Verify drafts (k+1 logits rows per request with k); each state's progress
-        steps back over its rejected drafts, as the engine core's does."""
-        num_drafts = [len(s.spec_token_ids) for s in states]
-        rows = draft_probs_rows(states, num_drafts, draft_probs, logits.shape[-1])
-        tokens, logprobs = self.spec_sampler(logits, states, rows)
-        for state, k, emitted in zip(states, num_drafts, tokens):
-            state.num_computed_tokens -= k + 1 - len(emitted)
-            if self.draft_runner is not None:
-                self.draft_runner.on_verified(state, k, len(emitted))
-        return ModelRunnerOutput(req_ids=[s.req_id for s in states],
-                                 sampled_token_ids=tokens, logprobs=logprobs)

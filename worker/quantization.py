@@ -6,6 +6,8 @@
   channel to int8.
 * ``none``: floats in ``model.dtype``, as before.
 * ``auto``: ``gguf`` for a GGUF holding those formats, else ``none``.
+* ``none`` is the default: the quantized route is opt-in until it is measured faster
+  than the float one on the machines Folio serves from (README, Quantized weights).
 
 Quantized weights run with float32 activations (the kernels' widening route, or a
 dequantise-then-GEMM) unless ``worker.linear_backend: int8`` asks for int8 activations
@@ -32,8 +34,15 @@ from worker.models.quant_linear import install_gguf_blocks, quantize_linears_int
 log = get_logger(__name__)
 
 
-def quantization_for_device(requested: str, device: torch.device) -> str:
-    """The ``model.quantization`` to load with on ``device`` (see the module docstring)."""
+def quantization_for_device(requested: str, device: torch.device,
+                            sharded: bool = False) -> str:
+    """The ``model.quantization`` to load with on ``device`` (see the module docstring);
+    ``sharded``: tensor parallelism, whose slices are cut from float weights."""
+    if sharded:
+        if requested in ("int8", "gguf"):
+            raise ValueError(f"model.quantization={requested} is not served with "
+                             f"parallel.tensor_parallel_size > 1; use auto or none")
+        return "none"
     if device.type != "cpu":
         if requested in ("int8", "gguf"):
             raise ValueError(f"model.quantization={requested} runs on the CPU only; use "

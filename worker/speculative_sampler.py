@@ -19,10 +19,12 @@ from __future__ import annotations
 import torch
 
 from engine_core.outputs import TokenLogprobs
+from worker.draft_runner import DraftRunner, draft_probs_rows
 from worker.rejection_sampler import rejection_sample
 from worker.request_state import CachedRequestState
 from worker.sampler import target_distribution, token_logprobs
 from worker.sampling_metadata import SamplingMetadata
+from worker.structured_output.grammar_step import GrammarStep
 
 
 class SpeculativeSampler:
@@ -30,6 +32,36 @@ class SpeculativeSampler:
 
     def __init__(self, eos_token_ids: tuple[int, ...]):
         self.eos_token_ids = eos_token_ids
+
+    def verify(self, logits: torch.Tensor, states: list[CachedRequestState],
+               draft_probs: dict[str, torch.Tensor], grammar_step: GrammarStep | None,
+               draft_runner: DraftRunner | None
+               ) -> tuple[list[CachedRequestState], list[list[int]],
+                          list[list[TokenLogprobs] | None]]:
+        """A verify step of the model runner: the states that sampled, their emitted
+        tokens and logprobs. Constrained rows are masked first, position by position
+        along the drafts (worker/structured_output/grammar_step.py), so every accepted
+        draft and the model's own token obey the grammar, and each matcher then takes
+        exactly the emitted tokens; a state whose grammar is still compiling emits
+        nothing (all its drafts count as rejected). Each state's progress steps back
+        over its rejected drafts, as the engine core's does."""
+        num_drafts = {s.req_id: len(s.spec_token_ids) for s in states}
+        sampling = states
+        if grammar_step is not None:
+            logits, sampling = grammar_step.apply(logits, states)
+        rows = draft_probs_rows(sampling, [num_drafts[s.req_id] for s in sampling],
+                                draft_probs, logits.shape[-1])
+        tokens, logprobs = self(logits, sampling, rows)
+        if grammar_step is not None:
+            grammar_step.accept(tokens)
+        emitted = dict(zip((s.req_id for s in sampling), tokens))
+        for state in states:
+            k, n = num_drafts[state.req_id], len(emitted.get(state.req_id, ()))
+            state.spec_token_ids = []  # a deferred state's too: it never reached here
+            state.num_computed_tokens -= k + 1 - n
+            if draft_runner is not None:
+                draft_runner.on_verified(state, k, n)
+        return sampling, tokens, logprobs
 
     def __call__(self, logits: torch.Tensor, states: list[CachedRequestState],
                  draft_probs: torch.Tensor | None = None

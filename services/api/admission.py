@@ -2,8 +2,9 @@
 
 A generation request (a POST under ``/v1/``) is refused before its body is read or
 tokenized while the process drains (503 shutting_down) or while the engine core last
-said its queue is full (503 queue_full; the engine core re-checks every add, this is
-only the cheap early answer). The same check answers ``Expect: 100-continue``.
+said its queue is full (503 queue_full) or that the model sleeps (503 sleeping, see
+control_routes.py); the engine core re-checks every add, this is only the cheap early
+answer. The same check answers ``Expect: 100-continue``.
 
 A request counts in flight only from the moment its body has been read and checked
 (``admitted``), so a drain waits for the generations it promised, never for a client
@@ -54,6 +55,9 @@ class Admission:
         """Raise the 503 a new generation request gets now, if any."""
         if self.draining:
             raise unavailable("the server is shutting down", "shutting_down")
+        health = self.engine.fresh_health()
+        if health is not None and health.detail.get("is_sleeping"):
+            raise unavailable("the model is asleep (POST /wake_up wakes it)", "sleeping")
         queue = self.engine.queue_state
         if queue.is_full:
             raise QueueFull(f"the server is at capacity ({queue.num_waiting} requests "

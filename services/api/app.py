@@ -24,6 +24,7 @@ from services.api.auth import CACHE_SALT, TENANT, APIKeys, Authenticator
 from services.api.body_budget import BodyBudget
 from services.api.body_rate import BodyRate
 from services.api.connection_guard import CONNECTION_GUARD, ConnectionGuard
+from services.api.control_routes import ControlRoutes
 from services.api.engine_client import EngineClient, EngineDead
 from services.api.errors import error_middleware
 from services.api.expect_continue import ExpectContinue
@@ -48,12 +49,13 @@ class APIServer:
     def __init__(self, engine: EngineClient, tokenizer: Tokenizer, model_name: str,
                  max_model_len: int, tracer=None, enable_metrics: bool = True,
                  api: APIConfig | None = None, api_keys: APIKeys | None = None,
-                 lora: LoRAConfig | None = None):
+                 lora: LoRAConfig | None = None, admin=None):
         self.engine, self.tokenizer = engine, tokenizer
         self.tracer = tracer  # an OpenTelemetry tracer, or None when tracing is off
         self.enable_metrics = enable_metrics
         self.model_name, self.max_model_len = model_name, max_model_len
         self.api = api or APIConfig()
+        self.admin = admin  # AdminRoutes (live retune), when the process has a config
         self.lora = lora or LoRAConfig()
         self.api_keys = api_keys if api_keys is not None else APIKeys.from_sources(
             self.api.api_keys, os.environ)
@@ -76,8 +78,7 @@ class APIServer:
             self.api.grammar_compile_timeout_s)
 
     def app(self) -> web.Application:
-        public = {"/health", "/metrics"} if self.api.public_metrics else {"/health"}
-        auth = Authenticator(self.api_keys, public)
+        self.auth = auth = Authenticator(self.api_keys, self.public_paths())
         # auth first: a caller without a key learns nothing, not even that we are busy
         app = web.Application(middlewares=[auth.middleware, error_middleware,
                                            self.admission.middleware],
@@ -101,7 +102,14 @@ class APIServer:
             LoRARoutes(self.engine, self.lora, self.model_name, self._body).add_to(
                 app.router, expect)
         VLLMRoutes(self).add_to(app.router, expect)
+        ControlRoutes(self.engine, self._body).add_to(app.router, expect)
+        if self.admin is not None:
+            self.admin.add_to(app.router, expect)
         return app
+
+    def public_paths(self) -> set[str]:
+        """Paths served without a key (api.public_metrics may change live)."""
+        return {"/health", "/metrics"} if self.api.public_metrics else {"/health"}
 
     async def _close(self, app: web.Application) -> None:
         self.tokens.close()
@@ -161,7 +169,7 @@ class APIServer:
             return [await self.tokens.encode_chat(
                 checked.messages, checked.add_generation_prompt,
                 lambda text: self.validator.check_prompt_text(text, "messages"),
-                checked.tools)]
+                checked.tools, checked.continue_final_message)]
 
         with self.admission.admitted():
             return await self._generation(request, checked, True, lora_name).respond(
@@ -187,7 +195,7 @@ class APIServer:
 
     async def health(self, request) -> web.Response:
         """200 from the engine core's latest pushed snapshot (a probe never reaches the
-        engine core); 503 while this process drains, when the link is down, the
+        engine core), ``status`` "sleeping" while the model sleeps; 503 while this process drains, when the link is down, the
         snapshot is stale or says the engine failed. The gauges go to callers with a
         valid key, or to all when the API is open or ``api.public_health_detail``."""
         if self.admission.draining:
@@ -199,10 +207,11 @@ class APIServer:
             raise unavailable("the engine core has failed")
         # /health is public: the auth middleware lets a caller without a key through,
         # and sets the tenant's cache salt only for a valid key.
+        status = "sleeping" if snapshot.detail.get("is_sleeping") else "ok"
         if self.api_keys.enabled and not (self.api.public_health_detail
                                           or CACHE_SALT in request):
-            return web.json_response({"status": "ok"})
-        return web.json_response({"status": "ok", "engine": snapshot.detail,
+            return web.json_response({"status": status})
+        return web.json_response({"status": status, "engine": snapshot.detail,
                                   "api": {"num_in_flight": self.admission.num_in_flight}})
 
     async def metrics(self, request) -> web.Response:

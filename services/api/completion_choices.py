@@ -102,7 +102,7 @@ class CompletionChoices:
     def _sample(self, c: CompletionOutput) -> tuple[str, list[int], list]:
         if self.options.discard_output:
             return "", [], []
-        return c.text, c.token_ids, list(c.logprobs or [])
+        return c.text, c.token_ids, list(c.token_logprobs or [])
 
     def _extras(self, choice: dict, output: RequestOutput, token_ids: list[int],
                 with_prompt: bool) -> dict:

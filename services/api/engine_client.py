@@ -8,10 +8,12 @@ from collections import deque
 
 from engine_core.model_facts import ModelFacts
 from engine_core.sampling_params import SamplingParams
-from services.protocol import (HEALTH_MAX_AGE_S, AbortRequest, AddRequest, GetMetrics,
+from services.protocol import (HEALTH_MAX_AGE_S, AbortRequest, AddRequest, ConfigReloaded,
+                               ConfigUpdate, ControlReply, ControlRequest, GetMetrics,
                                HealthSnapshot, ListLoRAAdapters, LoadLoRAAdapter, LoRAReply,
                                Metrics, OutputDelta, ProtocolError, QueueState,
-                               RequestRejected, UnloadLoRAAdapter, WorkerReady)
+                               ReloadConfig, RequestRejected, UnloadLoRAAdapter,
+                               WorkerReady)
 from services.transport import Endpoint, PeerLink, connect
 
 
@@ -29,9 +31,10 @@ class EngineClient:
     Each request gets a queue; the reader puts EngineCoreOutput deltas (for every
     sample) or a RequestRejected on it, and None when the engine goes away. Metrics
     requests are answered in order on the same link, so replies match a FIFO of
-    waiters; LoRA requests carry an id their LoRAReply repeats (a load is answered
-    only when the worker has checked the adapter). Health is never asked for: the
-    engine core pushes HealthSnapshots.
+    waiters; LoRA, control and config requests carry an id their reply repeats (a load
+    is answered only when the worker has checked the adapter, a sleep once it slept).
+    Health is never asked for: the engine core pushes HealthSnapshots, and its running
+    config (ConfigUpdate, to ``on_config``) on joining and after every applied reload.
     """
 
     def __init__(self, endpoint: Endpoint, client_id: str):
@@ -42,8 +45,10 @@ class EngineClient:
         self._queues: dict[str, asyncio.Queue] = {}
         # replies to GetMetrics come back in order on the one link
         self._waiters: dict[type, deque[asyncio.Future]] = {Metrics: deque()}
-        self._lora_waiters: dict[str, asyncio.Future] = {}  # LoRA request id → reply
-        self._lora_ids = itertools.count()
+        self._reply_waiters: dict[str, asyncio.Future] = {}  # LoRA/control/config id → reply
+        self._reply_ids = itertools.count()
+        self.on_config = None  # called with each ConfigUpdate's JSON (live retune)
+        self.config_json: str | None = None  # the latest one
         self._reader: asyncio.Task | None = None
         self.model_facts: ModelFacts | None = None  # from the engine core's WorkerReady
         self.alive = False
@@ -82,8 +87,12 @@ class EngineClient:
                 queue = self._queues.get(message.req_id)
                 if queue is not None:
                     queue.put_nowait(message)
-            elif isinstance(message, LoRAReply):
-                waiter = self._lora_waiters.pop(message.request_id, None)
+            elif isinstance(message, ConfigUpdate):
+                self.config_json = message.config_json
+                if self.on_config is not None:
+                    self.on_config(message.config_json)
+            elif isinstance(message, (LoRAReply, ControlReply, ConfigReloaded)):
+                waiter = self._reply_waiters.pop(message.request_id, None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(message)
             elif isinstance(message, Metrics) and self._waiters[Metrics]:
@@ -95,7 +104,7 @@ class EngineClient:
         for queue in self._queues.values():
             queue.put_nowait(None)
         for waiter in [*(w for ws in self._waiters.values() for w in ws),
-                       *self._lora_waiters.values()]:
+                       *self._reply_waiters.values()]:
             if not waiter.done():
                 waiter.set_exception(EngineDead("the engine core went away"))
 
@@ -142,19 +151,34 @@ class EngineClient:
     async def lora(self, kind: str, lora_name: str = "", lora_path: str = "",
                    timeout: float = 120.0) -> LoRAReply:
         """One LoRA round trip: ``kind`` "load", "unload" or "list"."""
+        make = {"load": lambda rid: LoadLoRAAdapter(rid, lora_name, lora_path),
+                "unload": lambda rid: UnloadLoRAAdapter(rid, lora_name),
+                "list": lambda rid: ListLoRAAdapters(rid)}[kind]
+        return await self._round_trip("lora", make, timeout)
+
+    async def control(self, op: str, timeout: float, **fields) -> ControlReply:
+        """One control round trip (services/control_protocol.py): ``op`` and the
+        ControlRequest ``fields`` it takes (level, abort_in_flight, path ...)."""
+        return await self._round_trip(
+            "control", lambda rid: ControlRequest(rid, op, **fields), timeout)
+
+    async def reload_config(self, timeout: float = 90.0) -> ConfigReloaded:
+        """Ask the engine core to re-read the YAML; its answer comes after this
+        process has taken the new config (the ConfigUpdate precedes it on the link)."""
+        return await self._round_trip("config", ReloadConfig, timeout)
+
+    async def _round_trip(self, kind: str, make, timeout: float):
+        """Send ``make(request_id)`` and wait for the reply repeating that id."""
         if not self.alive:
             raise EngineDead("the engine core is not reachable")
-        request_id = f"{self.client_id}-lora-{next(self._lora_ids)}"
-        message = {"load": lambda: LoadLoRAAdapter(request_id, lora_name, lora_path),
-                   "unload": lambda: UnloadLoRAAdapter(request_id, lora_name),
-                   "list": lambda: ListLoRAAdapters(request_id)}[kind]()
+        request_id = f"{self.client_id}-{kind}-{next(self._reply_ids)}"
         waiter = asyncio.get_running_loop().create_future()
-        self._lora_waiters[request_id] = waiter
+        self._reply_waiters[request_id] = waiter
         try:
-            await self._link.send(message)
+            await self._link.send(make(request_id))
             return await asyncio.wait_for(waiter, timeout)
         finally:
-            self._lora_waiters.pop(request_id, None)
+            self._reply_waiters.pop(request_id, None)
 
     def forget(self, req_id: str) -> None:
         self._queues.pop(req_id, None)

@@ -21,9 +21,7 @@ _BOUND_NAMES = {INT64_MAX: "2^63-1", INT64_MIN: "-2^63"}
 # (same type, same value) is accepted; anything else asks for something not served.
 # (response_format, tools and tool_choice are served: services/api/structured_request.py)
 REFUSED: dict[str, tuple] = {
-    "suffix": ("",), "best_of": (1,), "cache_salt": (),
-    # vLLM's extensions not served yet: refused, never silently ignored
-    "continue_final_message": (False,)}
+    "suffix": ("",), "best_of": (1,), "cache_salt": ()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +75,24 @@ def typed(body: dict, key: str, types: tuple, bounds: Range | None = None) -> An
     if error is not None:
         raise bad(error, key)
     return value
+
+
+def chat_prompt_flags(body: dict) -> tuple[bool, bool]:
+    """(add_generation_prompt, continue_final_message) of a chat or chat-tokenize body.
+
+    ``continue_final_message`` leaves the final message open for the model to go on
+    with, so it excludes a new generation prompt: both true is a 400 naming
+    ``continue_final_message``, as in vLLM. Unlike vLLM, an absent
+    ``add_generation_prompt`` defaults to the opposite of ``continue_final_message``
+    (vLLM's clients send both, so they see no difference)."""
+    cont = (typed(body, "continue_final_message", (bool,))
+            if body.get("continue_final_message") is not None else False)
+    add = (typed(body, "add_generation_prompt", (bool,))
+           if body.get("add_generation_prompt") is not None else not cont)
+    if add and cont:
+        raise bad("'continue_final_message' and 'add_generation_prompt' cannot both be true",
+                  "continue_final_message")
+    return add, cont
 
 
 def _same(a: Any, b: Any) -> bool:

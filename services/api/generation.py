@@ -178,6 +178,8 @@ class Generation:
                 if isinstance(item, RequestRejected):
                     if item.code == "queue_full":
                         raise QueueFull(item.message)
+                    if item.code == "sleeping":
+                        raise unavailable(item.message, "sleeping")
                     if item.code == "model_not_found":
                         raise APIError(404, item.message, "not_found_error", item.param,
                                        item.code)

@@ -148,17 +148,22 @@ def _schemas(lim: ValidationLimits) -> dict[str, Any]:
             "logprobs": {"type": ["boolean", "null"]},
             "top_logprobs": {"type": ["integer", "null"], "minimum": 0,
                              "maximum": lim.max_logprobs},
-            "add_generation_prompt": {"type": ["boolean", "null"]}}},
+            "add_generation_prompt": {"type": ["boolean", "null"]},
+            "continue_final_message": {"type": ["boolean", "null"]}}},
         "Completion": {"type": "object", "required": ["id", "object", "choices", "usage"],
                        "properties": {"choices": {"type": "array", "items": choice},
                                       "usage": usage}},
         "TokenizeRequest": {"anyOf": [
             {"type": "object", "required": ["prompt"], "properties": {
                 "model": _MODEL, "prompt": {"type": "string"},
-                "add_special_tokens": {"anyOf": [{"type": "boolean"}, {"type": "null"}]}}},
+                "add_special_tokens": {"anyOf": [{"type": "boolean"}, {"type": "null"}]},
+                "return_token_strs": {"type": ["boolean", "null"]}}},
             {"type": "object", "required": ["messages"], "properties": {
-                "model": _MODEL,
-                "messages": {"type": "array", "minItems": 1, "items": message}}}]},
+                "model": _MODEL, "tools": _tools()["tools"],
+                "messages": {"type": "array", "minItems": 1, "items": message},
+                "add_generation_prompt": {"type": ["boolean", "null"]},
+                "continue_final_message": {"type": ["boolean", "null"]},
+                "return_token_strs": {"type": ["boolean", "null"]}}}]},
         "DetokenizeRequest": {"type": "object", "required": ["tokens"], "properties": {
             "model": _MODEL, "tokens": {"type": "array", "maxItems": lim.max_model_len,
                                         "items": _token_id(lim)}}},

@@ -9,9 +9,9 @@ tokens is refused from its character count (:meth:`RequestValidator.check_prompt
 text/token_span.py) before tokenization, and its token count is checked again after
 (:meth:`RequestValidator.check_prompt_ids`).
 
-Fields OpenAI defines that Folio does not serve (``echo``, ``suffix``, ``logit_bias``,
-``best_of``) are refused when set to anything but their default (services/api/fields.py)
-rather than silently ignored; other unknown fields are ignored, as vLLM does. The
+Fields OpenAI defines that Folio does not serve (``suffix``, ``best_of`` > 1) are
+refused when set to anything but their default (services/api/fields.py) rather than
+silently ignored; other unknown fields are ignored, as vLLM does. The
 fields that constrain the output (``response_format``, ``structured_outputs``,
 ``guided_*``, ``tools``/``tool_choice``) are read by services/api/structured_request.py;
 their grammar is compiled before the request reaches the engine (grammar_check.py).
@@ -26,7 +26,8 @@ from typing import Any
 from config.schema import APIConfig
 from engine_core.sampling_params import MAX_LOGIT_BIAS, InvalidRequestError, SamplingParams
 from services.api.completion_choices import ResponseOptions
-from services.api.fields import INT64, NUMBER, Range, check_refused, token_ids, typed
+from services.api.fields import (INT64, NUMBER, Range, chat_prompt_flags, check_refused,
+                                 token_ids, typed)
 from services.api.openai_protocol import APIError, bad
 from services.api.structured_request import StructuredRequest, structured_request
 from text.chat_template import ChatTemplateError, validate_messages
@@ -80,6 +81,7 @@ class CheckedRequest:
     max_tokens_param: str = "max_tokens"  # the field that set params.max_tokens
     messages: list[dict[str, Any]] | None = None  # chat
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # chat: the final message is left open
     structured: StructuredRequest | None = None  # what the output must match
     tools: list[dict[str, Any]] | None = None  # chat: rendered by templates that know them
     continuous_usage: bool = False  # stream_options.continuous_usage_stats
@@ -295,13 +297,13 @@ class RequestValidator:
         options = self._options(body, params, echo, False)
         keep, side = self._truncation(body)
         messages = checked_messages(body.get("messages"))
-        add = (typed(body, "add_generation_prompt", (bool,))
-               if body.get("add_generation_prompt") is not None else True)
+        add, cont = chat_prompt_flags(body)
         param = ("max_completion_tokens" if body.get("max_completion_tokens") is not None
                  else "max_tokens")
         tools = body.get("tools") if structured is not None and structured.tools else None
         return CheckedRequest(params, stream, include_usage, messages=messages,
-                              add_generation_prompt=add, max_tokens_param=param,
+                              add_generation_prompt=add, continue_final_message=cont,
+                              max_tokens_param=param,
                               structured=structured, tools=tools,
                               continuous_usage=continuous, options=options,
                               truncate_prompt_tokens=keep, truncation_side=side)

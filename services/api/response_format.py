@@ -93,7 +93,8 @@ def chat_response(outputs: list[RequestOutput], tokenizer, checked, *, req_id, m
             ({"role": "assistant", "content": prefix + c.text}, c.finish_reason)
             if tools is None else tool_call_message(c.text, c.finish_reason, tools))
         choice = {"index": c.index, "message": message,
-                  "logprobs": chat_logprobs(c.logprobs, tokenizer, options.tokens_as_token_ids),
+                  "logprobs": chat_logprobs(c.token_logprobs, tokenizer,
+                                            options.tokens_as_token_ids),
                   "finish_reason": finish, "stop_reason": c.stop_reason}
         if options.return_token_ids:
             choice["token_ids"] = c.token_ids

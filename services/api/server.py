@@ -21,6 +21,7 @@ from config.schema import FolioConfig
 from model_files.paths import resolve_model_path, served_model_name
 from observability.logging import get_logger
 from observability.tracing import Tracing
+from services.api.admin_routes import AdminRoutes
 from services.api.app import APIServer
 from services.api.auth import APIKeys
 from services.api.engine_client import EngineClient
@@ -42,19 +43,23 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
     facts = await engine.start(timeout=services.startup_timeout_s)
     tracing = Tracing(config.observability, "api")
     api_keys = APIKeys.from_sources(config.api.api_keys, os.environ)
+    admin = AdminRoutes(None, config, tracing)
     server = APIServer(engine, tokenizer,
                        served_model_name(config.model.path, config.model.served_model_name),
                        facts.max_model_len, tracer=tracing.tracer,
                        enable_metrics=config.observability.enable_metrics,
-                       api=config.api, api_keys=api_keys, lora=config.lora)
-    admin = api_admin_endpoint(services, args.index)
-    endpoints = [admin] if admin is not None else []
+                       api=config.api, api_keys=api_keys, lora=config.lora, admin=admin)
+    admin.server = server
+    app = server.app()
+    admin.follow(engine)  # after app(): a pushed config reaches the authenticator too
+    own_socket = api_admin_endpoint(services, args.index)
+    endpoints = [own_socket] if own_socket is not None else []
     sockets = []
     if args.listen_fd is not None:
         sockets.append(socket.socket(fileno=args.listen_fd))
     else:
         endpoints.append(Endpoint(host=services.api_host, port=services.api_port))
-    runner = await serve_api(server.app(), config.api, endpoints, sockets,
+    runner = await serve_api(app, config.api, endpoints, sockets,
                              shutdown_timeout=1.0, reuse_port=services.num_api_servers > 1)
     public = ("{}:{}".format(*sockets[0].getsockname()[:2]) if sockets
               else str(endpoints[-1]))

@@ -13,10 +13,11 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from services.api.fields import token_ids, typed
+from services.api.fields import chat_prompt_flags, token_ids, typed
 from services.api.openai_protocol import bad
 from services.api.request_validation import RequestValidator, checked_messages
 from services.api.tokenizer_pool import TokenizerPool
+from services.api.tool_calls import check_tools
 
 
 class TokenRoutes:
@@ -32,12 +33,22 @@ class TokenRoutes:
         router.add_post("/detokenize", self.detokenize, expect_handler=expect_handler)
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        """``{"prompt": str}`` or ``{"messages": [...]}`` → token ids."""
+        """``{"prompt": str}`` or ``{"messages": [...]}`` → token ids (and their
+        vocabulary strings with ``return_token_strs``). A conversation takes the chat
+        fields that shape its prompt: ``add_generation_prompt``, ``continue_final_message``
+        and ``tools`` (rendered by templates that know them)."""
         body = await self.read_body(request)
+        strs = (typed(body, "return_token_strs", (bool,))
+                if body.get("return_token_strs") is not None else False)
         if body.get("messages") is not None:
+            add, cont = chat_prompt_flags(body)
+            tools = body.get("tools")
+            if tools is not None:
+                check_tools(tools)
             ids = await self.tokens.encode_chat(
-                checked_messages(body["messages"]), True,
-                lambda text: self.validator.check_prompt_text(text, "messages", room=0))
+                checked_messages(body["messages"]), add,
+                lambda text: self.validator.check_prompt_text(text, "messages", room=0),
+                tools, cont)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
@@ -46,8 +57,10 @@ class TokenRoutes:
                        if body.get("add_special_tokens") is not None else True)
             self.validator.check_prompt_text(prompt, "prompt", room=0)
             ids = await self.tokens.encode(prompt, special)
-        return web.json_response({"tokens": ids, "count": len(ids),
-                                  "max_model_len": self.max_model_len})
+        answer = {"tokens": ids, "count": len(ids), "max_model_len": self.max_model_len}
+        if strs:
+            answer["token_strs"] = self.tokens.tokenizer.convert_ids_to_tokens(ids)
+        return web.json_response(answer)
 
     async def detokenize(self, request: web.Request) -> web.Response:
         """``{"tokens": [ids]}`` → text."""

@@ -87,20 +87,25 @@ class TokenizerPool:
 
     async def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                           check_text: Callable[[str], None],
-                          tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """Render the conversation (with ``tools`` for templates that render them), pass
-        its text to ``check_text`` (which raises to refuse it), then encode it; a
-        template error is a 400 naming ``messages``."""
+                          tools: list[dict[str, Any]] | None = None,
+                          continue_final_message: bool = False) -> list[int]:
+        """Render the conversation (with ``tools`` for templates that render them; the
+        final message left open with ``continue_final_message``), pass its text to
+        ``check_text`` (which raises to refuse it), then encode it; a template error is
+        a 400 naming ``messages``."""
         return await self._run(_content_chars(messages), self._encode_chat, messages,
-                               add_generation_prompt, check_text, tools)
+                               add_generation_prompt, check_text, tools,
+                               continue_final_message)
 
     def _encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                      check_text: Callable[[str], None],
-                     tools: list[dict[str, Any]] | None) -> list[int]:
+                     tools: list[dict[str, Any]] | None,
+                     continue_final_message: bool) -> list[int]:
         try:
             prompt = self.tokenizer.render_chat(messages, add_generation_prompt,
                                                 split_content=self.split_content,
-                                                tools=tools)
+                                                tools=tools,
+                                                continue_final_message=continue_final_message)
         except ChatTemplateError as e:
             raise bad(str(e), "messages") from None
         # The rendered text is what gets encoded (content pieces as plain text, which

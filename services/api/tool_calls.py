@@ -39,6 +39,11 @@ class ToolCallFormat:
     named: str | None = None
 
 
+def check_tools(value: Any) -> None:
+    """400 naming ``tools`` unless ``value`` is a valid list of function tools."""
+    _tools(value)
+
+
 def _tools(value: Any) -> dict[str, tuple[dict, bool]]:
     """name -> (parameters schema, strict) of each function in ``tools``."""
     if not isinstance(value, list):

@@ -76,6 +76,14 @@ class EngineHealth:
                 "kv_cache_usage": stats.kv_cache_usage, "num_steps": self.num_steps,
                 "num_split_steps": s.num_split_steps,
                 "num_preemptions": stats.num_preemptions, "num_clients": len(s.clients.links),
+                # new requests are refused while it sleeps or a sleep waits (RL hooks)
+                "is_sleeping": float(s.engine.control.is_sleeping
+                                     or s.engine.control.is_sleep_pending),
+                "sleep_level": s.engine.control.level,
+                "num_prefix_cache_resets": s.engine.control.num_prefix_resets,
+                # the running limits (they change with a live retune)
+                "max_num_seqs": s.engine.scheduler.config.max_num_seqs,
+                "max_num_batched_tokens": s.engine.scheduler.config.max_num_batched_tokens,
                 _CLOCK_GAUGE: self.seconds_stalled()}
 
     def snapshot(self) -> HealthSnapshot:

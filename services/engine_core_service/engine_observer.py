@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from config.schema import FolioConfig
 from engine_core.engine import EngineCore
+from engine_core.model_facts import ModelFacts
 from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
 from engine_core.scheduler_output import SchedulerOutput
 from observability.logging import get_logger
@@ -18,6 +19,19 @@ from services.protocol import AddRequest
 log = get_logger("services.engine_core")
 
 
+def cache_config_info(config: FolioConfig, facts: ModelFacts) -> dict[str, str]:
+    """The labels of vLLM's ``cache_config_info`` gauge (vLLM's label names where Folio
+    has the same setting; ``num_gpu_blocks`` counts the KV pool on any device)."""
+    memory, cache = config.memory, config.cache
+    return {"block_size": str(facts.block_size), "num_gpu_blocks": str(facts.num_blocks),
+            "num_gpu_blocks_override": str(memory.num_blocks),
+            "cache_dtype": facts.dtype, "device": facts.device,
+            "gpu_memory_utilization": str(memory.gpu_memory_utilization),
+            "kv_cache_memory_bytes": str(memory.kv_cache_bytes),
+            "enable_prefix_caching": str(cache.enable_prefix_caching),
+            "prefix_caching_hash_algo": cache.hash_algorithm}
+
+
 @dataclass(slots=True)
 class _RequestIds:
     request_id: str  # the API's id (the parent of n > 1 samples)
@@ -27,13 +41,16 @@ class _RequestIds:
 class EngineObserver:
     """Metrics, spans and logs of one engine core."""
 
-    def __init__(self, config: FolioConfig, model_name: str, tracing: Tracing | None = None):
+    def __init__(self, config: FolioConfig, model_name: str, tracing: Tracing | None = None,
+                 facts: ModelFacts | None = None):
         obs = config.observability
         lora, spec = config.lora, config.speculative
         self.metrics = EngineMetrics(
             model_name, max_loras=lora.max_loras if lora.enable_lora else None,
             num_spec_positions=spec.num_speculative_tokens if spec.is_enabled else 0,
-            prefix=obs.metrics_prefix) if obs.enable_metrics else None
+            prefix=obs.metrics_prefix,
+            cache_info=cache_config_info(config, facts) if facts is not None else None
+        ) if obs.enable_metrics else None
         self.tracer = (EngineTracer(tracing.tracer, obs.trace_step_detail, spec.is_enabled)
                        if tracing is not None and tracing.enabled else None)
         self._ids: dict[str, _RequestIds] = {}  # sample id → ids for log lines
@@ -42,6 +59,8 @@ class EngineObserver:
         parsed = parse_traceparent(message.traceparent)
         trace_id = f"{parsed[0]:032x}" if parsed else None
         num_prompt = len(message.prompt_token_ids)
+        if self.metrics is not None:
+            self.metrics.on_request(len(sample_ids), message.sampling_params.max_tokens)
         for sample_id in sample_ids:
             self._ids[sample_id] = _RequestIds(message.req_id, trace_id)
             if self.metrics is not None:

@@ -155,7 +155,8 @@ class EngineTracer:
                      num_new_blocks: int, num_cached: int | None, step_link, end_ns: int,
                      drafts: DraftOutcome | None = None):
         phase = "prefill" if num_computed < rt.num_prompt_tokens else "decode"
-        if self.per_step or rt.phase != phase:
+        # phase_span None: per_step was on for the last step (a live retune may flip it)
+        if self.per_step or rt.phase != phase or rt.phase_span is None:
             self._end_phase(rt)
             rt.phase = phase
             rt.phase_span = self.tracer.start_span(

@@ -20,7 +20,11 @@ Frames: a step too large for one frame travels in several (step_frames.py); a re
 that could never travel is refused when it is added.
 LoRA: the engine core is the registry of adapters; engine_lora.py answers the API's
 load/unload/list requests and relays load commands and results to and from the worker.
+Config: config_reload.py re-reads the YAML (file watch, SIGHUP, an API's ReloadConfig),
+applies live keys between steps and sends every API process the running config.
 A step that can run nothing while adapters load waits for a wake-up, never spins.
+Control: sleep, wake-up, weight updates and prefix-cache resets (engine_control.py)
+run between steps, once the requests they must wait for have ended.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from collections import defaultdict
 
 from aiohttp import web
 
+from config.loader import parse_set_overrides
 from config.schema import FolioConfig
 from engine_core.engine import EngineCore
 from engine_core.lora_registry import UnknownLoRAError
@@ -45,22 +50,23 @@ from services.entrypoint import (StopSignal, first_completed, log_ready, run_ser
                                  service_arguments)
 from observability.tracing import Tracing
 from services.engine_core_service.api_clients import APIClients, send_to_client
+from services.engine_core_service.engine_control import EngineControl
+from services.engine_core_service.config_reload import (ConfigReloader, PendingRetune,
+                                                        reload_triggers)
 from services.engine_core_service.engine_health import EngineHealth
 from services.engine_core_service.engine_lora import EngineLoRA
 from services.engine_core_service.engine_observer import EngineObserver
 from services.engine_core_service.step_frames import refusal_param, step_frames
-from services.protocol import (AbortRequest, AddRequest, ExecuteStep, GetMetrics,
-                               ListLoRAAdapters, LoadLoRAAdapter, LoRALoadFinished, Metrics,
-                               OutputDelta, RequestRejected, StepResult, UnloadLoRAAdapter,
-                               WorkerReady)
+from services.engine_core_service.worker_replies import WorkerFailure, next_worker_reply
+from services.protocol import (AbortRequest, AddRequest, ControlRequest, ExecuteStep,
+                               GetMetrics, ListLoRAAdapters, LoadLoRAAdapter,
+                               LoRALoadFinished, Metrics, OutputDelta, ReloadConfig,
+                               RequestRejected, StepResult, UnloadLoRAAdapter,
+                               WorkerControlDone, WorkerControlOp, WorkerReady)
 from services.transport import (MAX_FRAME_BYTES, Endpoint, PeerLink, connect, start_site,
                                 websocket_route)
 
 log = get_logger(__name__)
-
-
-class WorkerFailure(RuntimeError):
-    """The worker died, hung up or reported a failed step: the stack must stop."""
 
 
 class EngineCoreService:
@@ -84,10 +90,12 @@ class EngineCoreService:
         self.ready: WorkerReady | None = None
         self.clients: APIClients | None = None  # made with the engine
         self.lora: EngineLoRA | None = None  # made with the engine
+        self.control: EngineControl | None = None  # made with the engine
         self.step_timeout_s = config.services.step_timeout_s
         self.health = EngineHealth(self)
         self.max_frame_bytes = MAX_FRAME_BYTES  # what the worker accepts in one frame
         self.num_split_steps = 0  # steps that needed more than one frame
+        self.reloader = None  # a ConfigReloader once serving (live retune)
 
     async def connect_worker(self, timeout: float = 300.0) -> WorkerReady:
         """Open the worker link and build the EngineCore from its WorkerReady."""
@@ -103,12 +111,13 @@ class EngineCoreService:
                                                   speculative_config=self.config.speculative)
         self.clients = APIClients(self.engine)
         self.lora = EngineLoRA(self.engine)
+        self.control = EngineControl(self.engine, self.config.worker, self.health)
         self._reader = asyncio.get_running_loop().create_task(self._read_worker(messages))
         self.ready = ready
         self.observer = EngineObserver(
             self.config, served_model_name(self.config.model.path,
                                            self.config.model.served_model_name),
-            self.tracing)
+            self.tracing, ready.facts)
         log.debug("worker connected", num_blocks=ready.facts.num_blocks,
                   max_model_len=ready.facts.max_model_len)
         return ready
@@ -128,15 +137,19 @@ class EngineCoreService:
         try:
             await self.clients.join(link)
             await self.health.send_to(link)
+            if self.reloader is not None:
+                await link.send(self.reloader.update())
             async for message in link.messages():
                 if isinstance(message, (AddRequest, AbortRequest, LoadLoRAAdapter,
-                                        UnloadLoRAAdapter)):
+                                        UnloadLoRAAdapter, ControlRequest)):
                     self.inbox.append((link, message))
                     self._wake.set()
                 elif isinstance(message, GetMetrics):
                     await link.send(Metrics(self.observer.render_metrics()))
                 elif isinstance(message, ListLoRAAdapters):
                     await link.send(self.lora.list_reply(message))
+                elif isinstance(message, ReloadConfig) and self.reloader is not None:
+                    self.reloader.answer(link, message)
         finally:
             self.clients.leave(link)
         aborted = [r for r, owner in self.owner.items() if owner is link]
@@ -147,11 +160,20 @@ class EngineCoreService:
     async def _apply_inbox(self) -> None:
         inbox, self.inbox = self.inbox, []
         for link, message in inbox:
+            if isinstance(message, PendingRetune):
+                message.apply()
+                continue
             if isinstance(message, AbortRequest):
                 self.engine.abort_request(message.req_ids)
                 continue
             if isinstance(message, (LoadLoRAAdapter, UnloadLoRAAdapter)):
                 await self.lora.on_request(link, message)
+                continue
+            if isinstance(message, ControlRequest):
+                await self.control.on_request(link, message)
+                continue
+            if self.control.holds_adds():  # an update or reset waits for quiet
+                self.inbox.append((link, message))
                 continue
             refusal = self.engine.queue_rejection(len(message.prompt_token_ids))
             if refusal is not None:
@@ -169,13 +191,22 @@ class EngineCoreService:
                     cache_salt=message.cache_salt, lora_id=self.lora.lora_id_of(message.lora_name),
                     tenant=message.tenant, tenant_weight=message.tenant_weight)
             except InvalidRequestError as e:
-                code = "model_not_found" if isinstance(e, UnknownLoRAError) else None
+                code = ("model_not_found" if isinstance(e, UnknownLoRAError)
+                        else getattr(e, "code", None))  # "sleeping"
                 await send_to_client(link, RequestRejected(message.req_id, str(e), e.param,
                                                            code))
                 continue
             for sample_id in sample_ids:
                 self.owner[sample_id] = link
             self.observer.on_add(message, sample_ids)
+
+    async def _ask_worker(self, op: WorkerControlOp) -> WorkerControlDone:
+        """One control verb on the worker, between steps (a level-2 wake reloads the
+        weights: it may take as long as start-up did)."""
+        await self._worker.send(op)
+        timeout = max(self.step_timeout_s, self.config.services.startup_timeout_s)
+        return await next_worker_reply(self._worker_replies, WorkerControlDone, op.op,
+                                       timeout, "services.startup_timeout_s")
 
     def _unsendable(self, message: AddRequest) -> str | None:
         facts = self.ready.facts
@@ -190,16 +221,10 @@ class EngineCoreService:
         self.num_split_steps += len(frames) > 1
         for frame in frames:
             await self._worker.send_frame(frame)
-        try:
-            reply = await asyncio.wait_for(self._worker_replies.get(), self.step_timeout_s)
-        except asyncio.TimeoutError:
-            raise WorkerFailure(f"the worker did not finish step {step_id} within "
-                                f"{self.step_timeout_s:g}s (services.step_timeout_s): it "
-                                f"is hung") from None
-        if reply is None:
-            raise WorkerFailure("the worker closed its link")
-        if not isinstance(reply, StepResult) or reply.step_id != step_id:
-            raise WorkerFailure(f"unexpected worker reply {type(reply).__name__}")
+        reply = await next_worker_reply(self._worker_replies, StepResult, f"step {step_id}",
+                                        self.step_timeout_s, "services.step_timeout_s")
+        if reply.step_id != step_id:
+            raise WorkerFailure(f"worker answered step {reply.step_id}, not {step_id}")
         if reply.error is not None:
             raise WorkerFailure(f"worker step failed: {reply.error}")
         return reply.runner_output
@@ -223,11 +248,12 @@ class EngineCoreService:
         try:
             is_stalled = False  # the last step ran nothing (requests wait for adapters)
             while True:
-                if not self.inbox and not self.lora.results and (
-                        is_stalled or not self.engine.has_unfinished_requests()):
+                if not self.inbox and not self.lora.results and not self.control.is_ready() \
+                        and (is_stalled or not self.engine.has_unfinished_requests()):
                     self._wake.clear()
                     await self._idle(is_stalled)
                 await self._apply_inbox()
+                await self.control.run_ready(self._ask_worker)
                 await self.lora.apply_results(self.owner)
                 scheduler_output = self.engine.begin_step()
                 await self.lora.send_commands(self._worker)
@@ -286,8 +312,10 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
     runner = await start_site(core.app(), endpoint, shutdown_timeout=0.5)
     log_ready("engine-core", config, core.ready.facts, endpoint,
               policy=config.scheduler.policy, max_num_seqs=config.scheduler.max_num_seqs)
+    core.reloader = ConfigReloader(core, args.config, parse_set_overrides(args.overrides))
     stop.mark_serving()
-    (loop_task, _), done = await first_completed(core.run(), stop.wait())
+    (loop_task, *_), done = await first_completed(core.run(), stop.wait(),
+                                                  reload_triggers(core.reloader))
     status = 0
     if loop_task in done:
         log.error("engine core stopping: the worker failed", error=str(loop_task.exception()))

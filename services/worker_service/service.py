@@ -5,7 +5,8 @@ with WorkerReady as the first frame of every engine-core link. All torch work ru
 one dedicated thread so the event loop still answers health probes while the forward
 pass runs (torch releases the GIL inside its kernels). LoRA adapters load on their own
 thread (worker/lora/lora_manager.py); each finished load is reported with a
-LoRALoadFinished as soon as it is done, between step results. Evictions run between
+LoRALoadFinished as soon as it is done, between step results. Evictions and control
+verbs (WorkerControlOp: sleep, wake, weight updates, collective_rpc) run between
 steps: this handler takes one message at a time.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import contextlib
 import contextvars
 import sys
+import threading
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -29,11 +31,16 @@ from services.endpoints import worker_endpoint
 from services.entrypoint import (StopSignal, first_completed, log_ready, run_service,
                                  service_arguments)
 from services.protocol import (ApplyLoRACommands, ExecuteStep, Health, LoRALoadFinished,
-                               Shutdown, StageNewRequests, StepResult, WorkerReady)
+                               Shutdown, StageNewRequests, StepResult, WorkerControlDone,
+                               WorkerControlOp, WorkerReady, encoded_size)
 from services.transport import PeerLink, start_site, websocket_route
 from worker.bootstrap import bootstrap_model
+from worker.distributed.rank_processes import run_rank
+from worker.weight_update import WeightUpdateError
+from worker.worker_extension import RPCRefused
 
 log = get_logger(__name__)
+STOP_FOLLOWERS_S = 5.0
 
 
 class WorkerService:
@@ -49,9 +56,11 @@ class WorkerService:
         loaded = self._pool.submit(contextvars.copy_context().run, bootstrap_model,
                                    config).result()
         self.runner = loaded.runner
+        self.control = loaded.control
         self.num_blocks = loaded.facts.num_blocks
         self.ready = WorkerReady(loaded.facts)
         self.tracer = tracing.tracer if tracing is not None else None
+        self.tp_size = config.parallel.tensor_parallel_size
         self.shutdown_requested = asyncio.Event()
         self.num_steps = 0
         # New requests staged for a step too large for one frame, until its ExecuteStep.
@@ -72,6 +81,9 @@ class WorkerService:
                 await link.send(reply)
             elif isinstance(message, ApplyLoRACommands):
                 self._apply_lora(link, message)
+            elif isinstance(message, WorkerControlOp):
+                await link.send(await loop.run_in_executor(self._pool, self._control,
+                                                           message))
             elif isinstance(message, Health):
                 await link.send(Health(True, {"steps": str(self.num_steps)}))
             elif isinstance(message, Shutdown):
@@ -103,6 +115,39 @@ class WorkerService:
             lora.evict(lora_id)
         for load in message.loads:
             lora.start_load(load, report)
+
+    def _control(self, message: WorkerControlOp) -> WorkerControlDone:
+        """Run one control verb (on the torch thread); a refusal changes nothing."""
+        c = self.control
+        try:
+            if message.op == "sleep":
+                c.sleep(message.level)
+            elif message.op == "wake_up":
+                c.wake_up()
+            elif message.op == "update_weights":
+                return WorkerControlDone(True, f"{c.update_weights(message.path)} tensors "
+                                         f"updated")
+            elif message.op == "collective_rpc":
+                result = c.collective_rpc(message.method, message.args)
+                try:
+                    encoded_size(result)
+                except (TypeError, ValueError):
+                    return WorkerControlDone(False, f"{message.method} returned a "
+                                             f"{type(result).__name__}, which cannot travel "
+                                             f"(msgpack values only)", code="failed")
+                return WorkerControlDone(True, result=result)
+            else:
+                return WorkerControlDone(False, f"unknown control verb {message.op!r}",
+                                         code="bad_request")
+        except WeightUpdateError as e:
+            return WorkerControlDone(False, str(e), tensor=e.tensor, code="bad_request")
+        except (RPCRefused, ValueError) as e:
+            return WorkerControlDone(False, str(e), code="bad_request")
+        except Exception as e:  # reported; the engine core answers the caller with it
+            log.error("control verb failed", op=message.op, error=repr(e),
+                      traceback=traceback.format_exc())
+            return WorkerControlDone(False, f"{message.op} failed: {e!r}", code="failed")
+        return WorkerControlDone(True)
 
     def _unstage(self, message: ExecuteStep) -> ExecuteStep | StepResult:
         """The step with its staged new requests back in front (an error StepResult if
@@ -145,7 +190,10 @@ class WorkerService:
                     "folio.num_new_requests": len(so.scheduled_new_reqs),
                     "folio.prepare_seconds": timing.prepare_seconds,
                     "folio.forward_seconds": timing.forward_seconds,
-                    "folio.sample_seconds": timing.sample_seconds}).end(end_time=end_ns)
+                    "folio.sample_seconds": timing.sample_seconds,
+                    # this span is rank 0's; the others ran the same forward in lockstep
+                    "folio.rank": 0,
+                    "folio.tensor_parallel_size": self.tp_size}).end(end_time=end_ns)
         prepared_ns = start_ns + int(timing.prepare_seconds * 1e9)
         new = {r.req_id: r for r in so.scheduled_new_reqs}
         for req_id, traceparent in message.request_traceparents.items():
@@ -160,9 +208,23 @@ class WorkerService:
                                    start_time=start_ns,
                                    attributes=attributes).end(end_time=prepared_ns)
 
+    async def stop_followers(self) -> None:
+        """Tensor parallelism: tell the other ranks to leave (after the last step). A
+        rank already gone is not waited for: the launcher is stopping the stack."""
+        if self.runner.channel is None:
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(loop.run_in_executor(self._pool,
+                                                        self.runner.stop_followers),
+                                   STOP_FOLLOWERS_S)
+        except (asyncio.TimeoutError, RuntimeError) as e:
+            log.warning("could not stop the other tensor-parallel ranks", error=repr(e))
+
     async def health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "num_steps": self.num_steps,
-                                  "num_blocks": self.num_blocks})
+                                  "num_blocks": self.num_blocks,
+                                  "sleep_level": self.control.sleep_mode.level})
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -185,11 +247,45 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
     stop.mark_serving()
     await first_completed(stop.wait(), worker.shutdown_requested.wait())
     await runner.cleanup()
+    await worker.stop_followers()
     tracing.shutdown()
     return 0
 
 
+async def serve_rank(config: FolioConfig, rank: int, stop: StopSignal) -> int:
+    """A tensor-parallel rank other than 0: no socket, only its share of each step
+    (worker/distributed/follower.py). It runs on a daemon thread: a rank blocked in a
+    collective when SIGTERM comes must not hold the process open."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[int] = loop.create_future()
+
+    def finish(status: int) -> None:
+        if not done.done():
+            done.set_result(status)
+
+    def run() -> None:
+        try:
+            status = run_rank(config, rank)
+        except Exception as e:  # rank 0 (or another rank) went away mid-collective
+            log.error("tensor-parallel rank failed", rank=rank, error=repr(e))
+            status = 1
+        loop.call_soon_threadsafe(finish, status)
+
+    threading.Thread(target=run, name=f"folio-tp-rank-{rank}", daemon=True).start()
+    stop.mark_serving()
+    await first_completed(stop.wait(), done)
+    return done.result() if done.done() else 0
+
+
+async def serve_any(config: FolioConfig, args: argparse.Namespace, stop: StopSignal) -> int:
+    if args.rank:
+        return await serve_rank(config, args.rank, stop)
+    return await serve(config, args, stop)
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run_service("worker", serve, service_arguments("python -m services.worker_service"),
-                       argv)
+    parser = service_arguments("python -m services.worker_service")
+    parser.add_argument("--rank", type=int, default=0,
+                        help="tensor-parallel rank (0: the worker the engine core talks to)")
+    return run_service("worker", serve_any, parser, argv)
 

@@ -9,8 +9,9 @@ from engine_core.outputs import FinishReason
 from engine_core.sampling_params import SamplingParams
 from engine_core.spec.draft_length import PROBE_INTERVAL, DraftLength, k_for_alpha
 from engine_core.spec.ngram_proposer import NgramProposer
+from engine_core.structured_outputs import StructuredOutputReport
 from tests.engine_core.factories import make_engine, make_request, run_to_completion
-from tests.engine_core.fake_executor import reference_output
+from tests.engine_core.fake_executor import FakeExecutor, reference_output
 
 
 PERIOD = 7
@@ -220,20 +221,41 @@ def test_stats_are_absent_without_speculation(spec):
     assert (engine.get_stats().spec_decode is None) == (spec is None)
 
 
-def test_structured_outputs_are_refused_while_speculation_is_on():
-    """Drafts are not checked against grammars yet: a constrained request gets a clear
-    error naming the field, nothing is queued, and the same request is served without
-    speculation."""
-    import pytest
+class DeferringVerifier(FakeExecutor):
+    """Defers ``req_id`` once in a step that verifies its drafts, as the worker does
+    when its grammar is still compiling: nothing comes back, and the last token and
+    every draft must be computed again."""
 
-    from engine_core.sampling_params import InvalidRequestError
-    constrained = SamplingParams(max_tokens=4, structured_outputs={"choice": ["yes", "no"]})
-    engine = make_engine(speculative_config=ngram())
-    with pytest.raises(InvalidRequestError) as refused:
-        engine.add_request("a", PROMPT, constrained)
-    assert refused.value.param == "structured_outputs"
-    assert not engine.has_unfinished_requests()
-    plain = make_engine()
-    plain.add_request("a", PROMPT, SamplingParams(
-        max_tokens=4, structured_outputs={"choice": ["yes", "no"]}))
-    assert plain.has_unfinished_requests()
+    def __init__(self, block_size: int, req_id: str):
+        super().__init__(block_size, cycle)
+        self.req_id, self.deferred_at = req_id, None
+
+    def _sample(self, so):
+        state = self.states.get(self.req_id)
+        drafts = self.drafts.get(self.req_id, [])
+        defer = self.deferred_at is None and bool(drafts) and so.num_spec_tokens
+        if defer:
+            self.deferred_at = self.num_steps
+            state.tokens = state.tokens[:-len(drafts)]
+            state.num_computed_tokens = len(state.tokens) - 1
+            del state.fingerprints[state.num_computed_tokens:]
+            del self.drafts[self.req_id]
+        out = super()._sample(so)
+        if defer:
+            out.structured_output = StructuredOutputReport(deferred_req_ids=[self.req_id])
+        return out
+
+
+def test_a_constrained_request_is_served_and_a_deferral_gives_back_its_drafts():
+    """Structured outputs and speculation go together (the worker masks every verified
+    position); a sample deferred in a step that verifies k drafts gets nothing and
+    steps back k+1 tokens, its draft-only blocks are dropped, and it goes on to the
+    same output."""
+    engine = make_engine(block_size=4, token_fn=cycle, speculative_config=ngram())
+    engine.executor = DeferringVerifier(4, "a")
+    engine.add_request("a", PROMPT, SamplingParams(
+        max_tokens=12, structured_outputs={"regex": "[a-z]+"}))
+    assert tokens_of(run_to_completion(engine)["a"]) == reference_output(PROMPT, 12, cycle)
+    assert engine.executor.deferred_at is not None
+    kv = engine.scheduler.kv_cache_manager
+    assert kv.num_free_blocks == kv.block_pool.num_blocks - 1

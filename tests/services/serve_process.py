@@ -98,9 +98,10 @@ class ServeProcess:
 
 
 @contextlib.contextmanager
-def running(config: Path, log_dir: Path):
-    """``folio serve`` on ``config``, ready; checks it exits 0 when the block ends."""
-    serve = ServeProcess(config, log_dir)
+def running(config: Path, log_dir: Path, env: dict[str, str] | None = None):
+    """``folio serve`` on ``config`` (``env`` added to this process's environment), ready;
+    checks it exits 0 when the block ends."""
+    serve = ServeProcess(config, log_dir, env=env)
     try:
         serve.wait_ready()
         yield serve

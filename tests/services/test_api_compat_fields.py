@@ -20,7 +20,7 @@ CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
 HI = [{"role": "user", "content": "Hi"}]
 REFUSED = [  # (route, field, a value that asks for something not served)
     (CMPL, "suffix", "tail"), (CMPL, "best_of", 2), (CHAT, "tools", [{"type": "function"}]),
-    (CHAT, "tool_choice", "required"), (CHAT, "continue_final_message", True),
+    (CHAT, "tool_choice", "required"), (CHAT, "continue_final_message", "yes"),
     (CMPL, "prompt_logprobs", -1), (CMPL, "truncate_prompt_tokens", 0),
     (CHAT, "truncation_side", "middle"), (CMPL, "return_token_ids", 1),
     (CHAT, "echo", "yes"), (CMPL, "logit_bias", {"49152": 1}),

@@ -128,8 +128,10 @@ def test_offline_and_http_give_the_same_outputs(smollm_tokenizer, chat, stream):
     assert texts == EXPECTED
     assert [c.finish_reason for c in offline.outputs] == finish == FINISH
     assert [c.stop_reason for c in offline.outputs] == ["xte ic", None, "STOP"]
-    assert logprobs == [[lp.logprob for lp in c.logprobs] for c in offline.outputs]
+    assert logprobs == [[lp.logprob for lp in c.token_logprobs] for c in offline.outputs]
     assert all(len(c.logprobs) == len(c.token_ids) > 0 for c in offline.outputs)
+    assert logprobs == [[entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs)]
+                        for c in offline.outputs]
     # the samples that a stop string ended, and only those, were aborted in the engine
     for aborted in (offline_aborted, http_aborted):
         assert sorted(a.split("_", 1)[0] for a in aborted) == ["0", "2"]

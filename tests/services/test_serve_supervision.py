@@ -1,4 +1,5 @@
-"""`folio serve` supervision (issue 14, item 8): SIGHUP drains, an API process that exits
+"""`folio serve` supervision (issue 14, item 8): SIGTERM drains (SIGHUP reloads the
+config since issue 20: tests/services/test_live_retune_e2e.py), an API process that exits
 or dies is restarted while the others keep serving, a spent restart budget stops the
 stack, and no exit path leaves the socket folder behind."""
 import asyncio
@@ -54,7 +55,7 @@ async def async_wait_for(predicate, timeout: float, what: str) -> None:
         await asyncio.sleep(0.1)
 
 
-def test_sighup_drains_streams_and_removes_the_socket_folder(start_stack):
+def test_sigterm_drains_streams_and_removes_the_socket_folder(start_stack):
     serve = start_stack(services={"drain_timeout_s": 90})
     folder = socket_dir_of(serve)
     assert folder.is_dir()
@@ -62,14 +63,14 @@ def test_sighup_drains_streams_and_removes_the_socket_folder(start_stack):
     async def main():
         async with aiohttp.ClientSession() as s:
             streams = await open_streams(s, serve, STREAM, n=4)
-            serve.proc.send_signal(signal.SIGHUP)
+            serve.proc.send_signal(signal.SIGTERM)
             for r in streams:
                 payloads = await asyncio.wait_for(sse_payloads(r), 60)
                 assert payloads[-1] == "[DONE]"
 
     asyncio.run(main())
     assert serve.wait(timeout=60) == 0, serve.output()[-3000:]
-    assert "SIGHUP: draining" in serve.output()
+    assert "draining: new requests get 503" in serve.output()
     assert not folder.exists()
     assert_nothing_left(serve)
 

@@ -172,3 +172,20 @@ def test_fused_parts_of_different_formats_are_left_for_floats(q_gguf):
         Q8_0, (64, 64), torch.zeros(64, 2 * 34, dtype=torch.uint8))
     assert install_gguf_blocks(model, blocks) == 0
     assert len(blocks) == 3 and isinstance(model.layers[0].self_attn.qkv_proj, Linear)
+
+
+def test_features_that_rewrite_float_weights_refuse_quantized_ones(q_gguf):
+    from worker.quantization import quantization_for_device
+    from worker.weight_update import WeightUpdateError
+    from worker.worker_control import WorkerControl
+    runner = runner_for(q_gguf)
+    control = WorkerControl(runner, WorkerConfig(device="cpu"))
+    with pytest.raises(WeightUpdateError, match="model.quantization: none"):
+        control.update_weights({"model.norm.weight": torch.ones(runner.arch.hidden_size)})
+    with pytest.raises(ValueError, match="use level 1"):
+        control.sleep(2)
+    assert not control.is_sleeping  # nothing changed; level 1 still serves
+    cpu = torch.device("cpu")
+    assert quantization_for_device("auto", cpu, sharded=True) == "none"
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        quantization_for_device("gguf", cpu, sharded=True)

@@ -49,7 +49,7 @@ def test_masks_touch_only_constrained_rows_and_free_steps_pay_nothing(manager):
     texts = {manager.compiler.tokenizer.decode([t]) for t in allowed}
     assert texts and all("alpha".startswith(t) or "beta".startswith(t) for t in texts)
     token = allowed[0]
-    step.accept([11, token, 12])  # only the constrained row's matcher moves
+    step.accept([[11], [token], [12]])  # only the constrained row's matcher moves
     assert states[1].grammar.validate([token]) == 0 or len(allowed) > 1
 
 
@@ -146,3 +146,97 @@ def test_validate_raises_for_a_bad_grammar_and_caches_good_ones(manager):
     spec = StructuredOutputsParams(json=PERSON).spec
     manager.validate(spec)
     assert spec in manager.cache
+
+
+def test_a_verify_step_leaves_each_matcher_advanced_by_exactly_the_emitted_tokens(
+        manager, smollm_tokenizer):
+    """Speculative decoding, one step through the real verifier (greedy): a draft the
+    grammar bans is rejected at its own row and the grammar's token replaces it; a
+    draft the grammar allows but the model does not is rejected as usual; the free
+    request between them keeps its rows. Afterwards each matcher equals one that
+    consumed only the emitted tokens, and rolling back over them reaches the start."""
+    from worker.speculative_sampler import SpeculativeSampler
+    spec = StructuredOutputsParams(regex=r"\d{2}-\d{2}").spec
+    manager.validate(spec)
+    one, two, three, seven, dash = (smollm_tokenizer.encode(x, add_special_tokens=False)[0]
+                                    for x in ("1", "2", "3", "7", "-"))
+
+    def greedy_state(req_id, grammar_spec, drafts):
+        params = WorkerSamplingParams(temperature=0.0, grammar=grammar_spec)
+        s = CachedRequestState(req_id, [5, 6], 2, params, [1], 2, None)
+        s.spec_token_ids = list(drafts)
+        return s
+    states = [greedy_state("banned", spec, [one, two, seven]),  # 7 where "-" must come
+              greedy_state("free", None, [one, two]),
+              greedy_state("model", spec, [one, two])]  # the model wants 3, not 2
+    logits = torch.randn(4 + 3 + 3, VOCAB)
+    favour = {0: [one], 1: [two], 2: [seven, dash], 4: [one], 5: [seven], 7: [one],
+              8: [three]}
+    for row, tokens in favour.items():
+        for rank, t in enumerate(tokens):
+            logits[row, t] = 50.0 - rank  # seven first, dash second: the mask decides
+    step = manager.begin_step(states)
+    kept_logits, kept = step.apply(logits, states)
+    assert kept == states
+    tokens, _ = SpeculativeSampler(EOS)(kept_logits, kept)
+    assert tokens == [[one, two, dash], [one, seven], [one, three]]
+    step.accept(tokens)
+    for s, emitted in ((states[0], [one, two, dash]), (states[2], [one, three])):
+        fresh = RequestGrammar("fresh", manager.cache.get(spec), emitted, EOS)
+        assert fresh.is_ready
+        got, want = allocate_bitmask(1, VOCAB), allocate_bitmask(1, VOCAB)
+        s.grammar.fill(got, 0)
+        fresh.fill(want, 0)
+        assert np.array_equal(got, want)
+        s.grammar.rollback(len(emitted))
+        start = RequestGrammar("start", manager.cache.get(spec), [], EOS)
+        assert start.is_ready
+        start.fill(want, 0)
+        s.grammar.fill(got, 0)
+        assert np.array_equal(got, want) and not s.grammar.failed
+
+
+def test_an_eos_draft_is_a_no_op_for_the_matcher(manager, smollm_tokenizer):
+    """EOS is never consumed (llguidance's rollback would count it only sometimes):
+    the row after an accepted EOS draft carries the same mask, and ``accept`` skips it."""
+    spec = StructuredOutputsParams(regex=r"\d+").spec
+    manager.validate(spec)
+    one, x = (smollm_tokenizer.encode(t, add_special_tokens=False)[0] for t in ("1", "x"))
+    grammar = RequestGrammar("e", manager.cache.get(spec), [], EOS)
+    assert grammar.is_ready
+    bitmask = allocate_bitmask(4, VOCAB)
+    assert grammar.fill_drafts(bitmask, 0, [one, EOS[0], x]) == 2
+    assert EOS[0] not in allowed(bitmask[0:1]) and EOS[0] in allowed(bitmask[1:2])
+    assert np.array_equal(bitmask[1], bitmask[2])  # after EOS: digits or EOS again
+    assert x not in allowed(bitmask[2:3])
+    assert grammar.accept([one, EOS[0], one]) and grammar.is_complete
+    grammar.rollback(2)  # exactly two tokens were consumed
+    assert grammar.validate([one]) == 1 and not grammar.is_complete
+
+
+def test_the_draft_guide_masks_each_pass_where_the_drafts_stand_then_rolls_back(
+        manager, smollm_tokenizer):
+    """Grammar-guided drafting: pass j's draft logits are masked at output + d1..dj
+    (a free request's row untouched), and the matcher ends where it began."""
+    from worker.structured_output.draft_guide import DraftGuide
+    spec = StructuredOutputsParams(regex=r"\d{2}-\d{2}").spec
+    manager.validate(spec)
+    one, two, dash = (smollm_tokenizer.encode(x, add_special_tokens=False)[0]
+                      for x in ("1", "2", "-"))
+    states = [state("free"), state("c", StructuredOutputsParams(regex=r"\d{2}-\d{2}"))]
+    states[1].grammar = RequestGrammar("c", manager.cache.get(spec), [], EOS)
+    guide = DraftGuide(states, VOCAB)
+    picked = []
+    for j in range(3):
+        logits = torch.randn(2, VOCAB)
+        before = logits[0].clone()
+        guide.mask(logits, [0, 1])
+        assert torch.equal(logits[0], before)
+        picked.append(int(logits[1].argmax()))
+        guide.advance(1, picked[-1])
+    texts = [smollm_tokenizer.decode([t]) for t in picked]
+    assert texts[0].isdigit() and texts[1].isdigit() and texts[2].startswith("-"), texts
+    guide.finish()
+    assert states[1].grammar.validate([one, two, dash]) == 3  # back at the start
+    guide = DraftGuide([state("late", StructuredOutputsParams(regex="a"))], VOCAB)
+    assert guide.grammars == {}  # no matcher yet (first sample not reached): unguided

@@ -4,6 +4,12 @@ There is no batch dimension: ``input_ids`` and ``positions`` are ``[num_tokens]`
 all requests of the step laid end to end, and attention finds each request's keys
 through the paged KV cache (see kernels/paged_attention.py). q/k/v and gate/up
 projections are fused into one matmul each.
+
+Under tensor parallelism (``tp``) each rank builds the slice of the model its
+:class:`ModelShard` names (worker/distributed/model_shard.py): its query and KV heads,
+its MLP columns and its vocabulary rows. o_proj and down_proj then hold partial sums
+that meet in one all-reduce each, the embedding in one more, and the LM head's
+vocabulary slices are gathered on rank 0. Without ``tp`` there is no collective at all.
 """
 from __future__ import annotations
 
@@ -18,11 +24,13 @@ from kernels.paged_attention import PagedAttentionPlan, paged_attention
 from kernels.reshape_and_cache import reshape_and_cache
 from kernels.rms_norm import rms_norm
 from kernels.rotary_embedding import rotary_embedding
+from worker.distributed.model_shard import ModelShard
 from worker.models.architecture import ModelArchitecture
 from worker.models.linear import Linear, k_major, linear, use_k_major_weights, wants_k_major
 from worker.models.rotary_embedding import RotaryAngles, RotaryEmbedding
 
 if TYPE_CHECKING:
+    from worker.distributed.tp_group import TPGroup
     from worker.lora.lora_step import LoRALayer, LoRAStep
 
 
@@ -47,13 +55,31 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, residual)
 
 
-class LlamaAttention(nn.Module):
-    """Grouped-query self-attention with a fused qkv projection."""
+class VocabParallelEmbedding(nn.Module):
+    """This rank's rows of the embedding; a token outside them contributes zeros, and
+    one all-reduce assembles every token's row (``weight`` keeps nn.Embedding's name)."""
 
-    def __init__(self, arch: ModelArchitecture):
+    def __init__(self, shard: ModelShard, hidden_size: int, tp: TPGroup):
         super().__init__()
-        self.num_heads = arch.num_attention_heads
-        self.num_kv_heads = arch.num_key_value_heads
+        self.tp = tp
+        self.start, self.num_rows = shard.vocab_start, shard.vocab_per_rank
+        self.weight = nn.Parameter(torch.empty(self.num_rows, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.num_rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill_(outside[:, None], 0))
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention with a fused qkv projection (this rank's heads)."""
+
+    def __init__(self, arch: ModelArchitecture, shard: ModelShard, tp: TPGroup | None):
+        super().__init__()
+        self.tp = tp
+        self.num_heads = shard.num_heads
+        self.num_kv_heads = shard.num_kv_heads
         self.head_dim = arch.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -77,17 +103,18 @@ class LlamaAttention(nn.Module):
         y = self.o_proj(out)
         if lora is not None:
             lora.add("o_proj", out, y)
-        return y
+        return y if self.tp is None else self.tp.all_reduce(y)
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward with a fused gate/up projection."""
+    """SwiGLU feed-forward with a fused gate/up projection (this rank's columns)."""
 
-    def __init__(self, arch: ModelArchitecture):
+    def __init__(self, arch: ModelArchitecture, shard: ModelShard, tp: TPGroup | None):
         super().__init__()
-        self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
-        self.down_proj = Linear(arch.intermediate_size, arch.hidden_size, bias=False)
+        self.tp = tp
+        self.intermediate_size = shard.intermediate_size
+        self.gate_up_proj = Linear(arch.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = Linear(self.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x, lora: LoRALayer | None = None):
         gate_up = self.gate_up_proj(x)
@@ -98,16 +125,16 @@ class LlamaMLP(nn.Module):
         y = self.down_proj(h)
         if lora is not None:
             lora.add("down_proj", h, y)
-        return y
+        return y if self.tp is None else self.tp.all_reduce(y)
 
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention + MLP block; the residual stream is carried between layers."""
 
-    def __init__(self, arch: ModelArchitecture):
+    def __init__(self, arch: ModelArchitecture, shard: ModelShard, tp: TPGroup | None):
         super().__init__()
-        self.self_attn = LlamaAttention(arch)
-        self.mlp = LlamaMLP(arch)
+        self.self_attn = LlamaAttention(arch, shard, tp)
+        self.mlp = LlamaMLP(arch, shard, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -123,19 +150,25 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole model: embeddings, decoder layers, final norm and the LM head."""
+    """The whole model: embeddings, decoder layers, final norm and the LM head; with
+    ``tp``, this rank's slice of it."""
 
-    def __init__(self, arch: ModelArchitecture, max_positions: int):
+    def __init__(self, arch: ModelArchitecture, max_positions: int,
+                 tp: TPGroup | None = None):
         super().__init__()
         self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.tp = tp
+        self.shard = shard = (ModelShard.whole(arch) if tp is None else
+                              ModelShard.for_rank(arch, tp.rank, tp.size))
+        self.embed_tokens = (nn.Embedding(arch.vocab_size, arch.hidden_size) if tp is None
+                             else VocabParallelEmbedding(shard, arch.hidden_size, tp))
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope_theta,
                                       arch.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(arch)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(arch, shard, tp)
                                     for _ in range(arch.num_hidden_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else Linear(
-            arch.hidden_size, arch.vocab_size, bias=False)
+            arch.hidden_size, shard.vocab_per_rank, bias=False)
         # A tied head reads the embedding matrix, whose rows the lookup needs row-major;
         # prepare_for_cpu() may give the head its own K-major copy instead (or the
         # quantized embedding's packed blocks, worker/models/quant_linear.py).
@@ -156,12 +189,18 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[n, vocab]`` for the selected hidden states."""
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Float32 logits ``[n, vocab]`` for the selected hidden states. With ``tp`` a
+        collective: every rank computes its vocabulary slice, rank 0 gets them all and
+        the others None."""
         weight = self.head_weight
         if weight is None:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight, None, self.head_choice).float()
+        logits = linear(hidden, weight, None, self.head_choice).float()
+        if self.tp is None:
+            return logits
+        logits = self.tp.gather_last_dim(logits)
+        return None if logits is None else logits[:, :self.arch.vocab_size]
 
     def prepare_for_cpu(self) -> bool:
         """Lay the linear weights out K-major where the CPU GEMM wants it
@@ -176,7 +215,9 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up on the way."""
+        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up on the way (cut
+        to this rank's slice first under tensor parallelism)."""
+        state_dict = self.shard.shard_state_dict(state_dict, self.arch.head_dim)
         state_dict = dict(state_dict)  # entries are popped as they are placed
         params = dict(self.named_parameters())
         loaded = set()

@@ -19,11 +19,12 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def build_model(arch: ModelArchitecture, max_positions: int) -> nn.Module:
-    """Instantiate the model class for ``arch.architecture``."""
+def build_model(arch: ModelArchitecture, max_positions: int, tp=None) -> nn.Module:
+    """Instantiate the model class for ``arch.architecture``; ``tp`` (a TPGroup) builds
+    this rank's slice of it (worker/distributed/model_shard.py)."""
     try:
         cls = _MODELS[arch.architecture]
     except KeyError:
         raise ValueError(f"unsupported architecture {arch.architecture!r}; supported: "
                          f"{', '.join(supported_architectures())}") from None
-    return cls(arch, max_positions)
+    return cls(arch, max_positions, tp)

@@ -61,16 +61,19 @@ class StructuredOutputManager:
         self.cache.put(spec, template, time.perf_counter() - t0)
 
     def begin_step(self, states: list[CachedRequestState]) -> GrammarStep | None:
-        """Start filling the masks of this step's constrained sampling rows (``states``
-        in logits order); None when no row is constrained (then nothing is paid)."""
-        rows = [i for i, s in enumerate(states) if s.sampling_params.grammar is not None]
-        if not rows:
+        """Start filling the masks of this step's constrained sampling states (``states``
+        in logits order, each with its drafts set); None when none is constrained (then
+        nothing is paid)."""
+        positions = [i for i, s in enumerate(states) if s.sampling_params.grammar is not None]
+        if not positions:
             return None
-        grammars = [self._grammar_of(states[i]) for i in rows]
+        grammars = [self._grammar_of(states[i]) for i in positions]
+        drafts = [list(states[i].spec_token_ids) for i in positions]
         if self._mask_executor is None:
             self._mask_executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        return GrammarStep(rows, grammars, allocate_bitmask(len(rows), self.vocab_size),
-                           self._mask_executor)
+        num_rows = sum(len(d) + 1 for d in drafts)
+        return GrammarStep(positions, grammars, drafts,
+                           allocate_bitmask(num_rows, self.vocab_size), self._mask_executor)
 
     def _grammar_of(self, state: CachedRequestState) -> RequestGrammar:
         if state.grammar is None:  # first sample of this state: new, or resumed

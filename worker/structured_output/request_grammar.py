@@ -9,8 +9,14 @@ token the mask did not allow is never given to it: llguidance would enter a perm
 error state. Should that happen anyway (or the grammar fail to compile, or exceed its
 limits mid-way), the sample is ``failed`` and its mask allows only EOS: it ends.
 
-Speculative decoding: ``validate`` says how many drafts the grammar accepts without
-moving the matcher; ``accept`` several tokens and ``rollback`` undo them.
+EOS is never given to the matcher: llguidance records it only when the matcher has
+not already stopped, so its rollback counts would depend on that. For the grammar an
+EOS is a no-op (an output ends at it unless ``ignore_eos``; then the same mask holds
+after it, with drafts or without).
+
+Speculative decoding: ``fill_drafts`` writes the masks of the k+1 verified positions
+by advancing through the drafts the grammar allows and rolling back, so the matcher
+is where it began; after verification ``accept`` takes exactly the emitted tokens.
 """
 from __future__ import annotations
 
@@ -32,6 +38,12 @@ def allow_only(bitmask: np.ndarray, row: int, token_ids: Sequence[int]) -> None:
         words[t // 32] |= np.uint32(1 << (t % 32))
 
 
+def is_allowed(bitmask: np.ndarray, row: int, token_id: int) -> bool:
+    """Whether row ``row`` of an int32 token bitmask allows ``token_id``."""
+    word = int(bitmask[row, token_id // 32]) & 0xFFFFFFFF
+    return bool(word >> (token_id % 32) & 1)
+
+
 class RequestGrammar:
     """The matcher of one sample (see the module docstring)."""
 
@@ -39,8 +51,8 @@ class RequestGrammar:
                  eos_token_ids: Sequence[int]):
         self.req_id = req_id
         self._template = template
-        self._replay = list(output_token_ids)
         self.eos_token_ids = tuple(eos_token_ids)
+        self._replay = [t for t in output_token_ids if t not in self.eos_token_ids]
         self.matcher = None
         self.failed = False
 
@@ -73,15 +85,11 @@ class RequestGrammar:
             self._fail(self.matcher.get_error())
 
     def accept(self, token_ids: Sequence[int]) -> bool:
-        """Advance by sampled tokens the mask allowed; False (and failed) otherwise."""
+        """Advance by sampled tokens the masks allowed (EOS skipped, see the module
+        docstring); False (and failed) otherwise."""
         if self.failed or self.matcher is None:
             return False
-        token_ids = list(token_ids)
-        if token_ids and token_ids[-1] in self.eos_token_ids and self.matcher.is_accepting():
-            # EOS ends a complete output; the matcher is left before it, where a
-            # stopped llguidance matcher would not record it anyway (so rollback counts
-            # stay exact).
-            token_ids.pop()
+        token_ids = [t for t in token_ids if t not in self.eos_token_ids]
         if token_ids and not self.matcher.consume_tokens(token_ids):
             self._fail(self.matcher.get_error())
             return False
@@ -95,17 +103,39 @@ class RequestGrammar:
 
     def fill_drafts(self, bitmask: np.ndarray, row: int, draft_ids: Sequence[int]) -> int:
         """Speculative decoding: the masks of the next ``len(draft_ids) + 1`` positions
-        into rows ``row``, ``row + 1``, ... (the position after each draft the grammar
-        accepts; rows past the first rejected draft are left as they are, since the
-        verifier rejects there anyway). The matcher ends where it began; returns how
-        many drafts the grammar accepts."""
-        num_valid = self.validate(draft_ids)
+        into rows ``row``, ``row + 1``, ... and how many leading drafts they allow::
+
+            bitmask row   row      row+1    ...  row+a        row+a+1 ...
+            matcher at    now      +d1      ...  +d1..da      (left as they are)
+            judges        d1       d2       ...  d(a+1): banned
+
+        Row ``row + i`` judges draft i+1 (and yields the token after d1..di), so the
+        first draft the grammar rejects is banned by its own row and the verifier
+        stops there: rows past it are never sampled from. The matcher ends where it
+        began (it is rolled back over the drafts it consumed).
+        """
         self.fill(bitmask, row)
-        for i in range(num_valid):
-            self.matcher.consume_token(draft_ids[i])
+        num_valid = num_consumed = 0
+        for i, token in enumerate(draft_ids):
+            if self.failed or not is_allowed(bitmask, row + i, token):
+                break
+            if token not in self.eos_token_ids:
+                if not self.matcher.consume_token(token):
+                    self._fail(self.matcher.get_error())
+                    break
+                num_consumed += 1
+            num_valid += 1
             self.fill(bitmask, row + 1 + i)
-        self.rollback(num_valid)
+        self.rollback(num_consumed)
         return num_valid
+
+    def advance_draft(self, token_id: int) -> bool:
+        """Consume a draft if the grammar allows it here (never failing the sample);
+        whether it was consumed (EOS never is). ``rollback`` undoes it."""
+        if (self.failed or self.matcher is None or token_id in self.eos_token_ids
+                or self.matcher.validate_tokens([token_id]) != 1):
+            return False
+        return self.matcher.consume_token(token_id)
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens."""

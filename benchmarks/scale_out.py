@@ -1,0 +1,88 @@
+"""Tensor parallelism's step times: the same greedy workload at tensor_parallel_size 1
+and 2 (gloo on the CPU, or NCCL where each rank has a GPU), timed per engine step.
+
+Workload (fixed seed): 8 requests, random prompts of 64-192 tokens, 32 tokens each,
+ignore_eos. Reported per size: median prefill-bearing step and median decode-only step
+(wall clock around ModelRunner.execute_model on rank 0, collectives included), and whether the
+tokens equal size 1's. On a 2-core CPU two ranks are slower than one: every layer adds
+two all-reduces and the ranks share the cores; TP is for models that do not fit one
+device. Data-parallel routing figures are not measured: replicas are not built yet.
+
+    .venv/bin/python benchmarks/scale_out.py --model default --dtype float32
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def workload(seed: int, n: int = 8) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 40000) for _ in range(rng.randint(64, 192))] for _ in range(n)]
+
+
+def run(size: int, args) -> dict:
+    from folio import LLM, SamplingParams
+    with LLM(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, tensor_parallel_size=size,
+             num_threads=args.threads, max_model_len=1024,
+             **{"observability.log_level": "warning"}) as llm:
+        params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": [100] * 16}], params, use_tqdm=False)  # warm-up
+        prefill, decode, execute = [], [], llm.runner.execute_model
+
+        def timed_execute(so):
+            t0 = time.perf_counter()
+            output = execute(so)
+            seconds = time.perf_counter() - t0
+            if so.total_num_scheduled_tokens:
+                is_decode = so.total_num_scheduled_tokens == len(so.num_scheduled_tokens)
+                (decode if is_decode else prefill).append(seconds)
+            return output
+        llm.runner.execute_model = timed_execute  # the engine core calls it per step
+        outs = llm.generate([{"prompt_token_ids": p} for p in workload(args.seed)], params,
+                            use_tqdm=False)
+    return {"tensor_parallel_size": size,
+            "median_prefill_step_ms": round(1e3 * statistics.median(prefill), 2),
+            "median_decode_step_ms": round(1e3 * statistics.median(decode), 2),
+            "num_steps": len(prefill) + len(decode),
+            "tokens": [o.outputs[0].token_ids for o in outs]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--tokenizer", default=None, help="for a checkpoint without one "
+                        "(e.g. 'default')")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--sizes", default="1,2")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    results = [run(int(s), args) for s in args.sizes.split(",")]
+    cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines()
+                  if line.startswith("Model name")), "?")
+    base = results[0]["tokens"]
+    for r in results:
+        r["same_tokens_as_size_1"] = r.pop("tokens") == base
+    print(f"cpu: {model}; model {args.model} {args.dtype}; {args.threads} thread(s) per rank")
+    for r in results:
+        print(f"TP={r['tensor_parallel_size']}: prefill step {r['median_prefill_step_ms']} ms, "
+              f"decode step {r['median_decode_step_ms']} ms (8 requests), "
+              f"{r['num_steps']} steps, same tokens as TP=1: {r['same_tokens_as_size_1']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cpu": model, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
