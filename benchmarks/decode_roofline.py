@@ -1,18 +1,24 @@
-"""Decode step time against the roofline of the model's linear layers, same run.
+"""Decode steps against two limits, same run: the linear-layer roofline at batch B, and
+at batch 1 the memory-bandwidth limit for the bytes a step reads.
 
-The roofline for a decode step at batch B is the time the model's linear layers alone
-take on B rows (q/k/v, o, gate/up and down in every layer, plus the LM head): every
-decode step must run those matmuls, so ``B / linear_seconds`` is the most tokens per
-second a step could produce. Two linear paths are timed and the faster one counts:
-plain ``F.linear`` in the model's dtype, and Folio's ``worker.models.linear`` (which
-widens 16-bit weights to float32 on CPUs without 16-bit arithmetic), both on the
-weights as the model holds them (K-major on the CPU, see worker/models/linear.py).
+* Linear-layer roofline at batch B: the time the model's linear layers alone take on B
+  rows (q/k/v, o, gate/up and down in every layer, plus the LM head), each through the
+  path Folio chose for it (worker/linear_backend.py) and, for weights held as tensors,
+  plain ``F.linear`` too; the faster counts. ``B / linear_seconds`` is the most tokens
+  per second a step could produce.
+* Bandwidth limit at batch 1: a step must read every weight once (quantized weights at
+  their packed size), the LM head included, plus the request's K/V for attention. With
+  the read bandwidth measured in the same run (``benchmarks/machine.py``), ``bytes /
+  bandwidth`` is the fastest a step can be.
 
 The decode side runs the real engine: B requests with ``--context`` prompt tokens are
 prefilled, then only steps where all B requests decode one token are timed (the whole
 ``EngineCore.step()``: scheduling, batch building, forward, sampling, bookkeeping).
+``--serve`` adds a single stream through ``folio serve`` (one client, TPOT), and
+``--llama-bench`` llama.cpp's ``llama-bench`` tg128 on the same GGUF and threads
+(benchmarks/llamacpp.py builds it).
 
-    .venv/bin/python benchmarks/decode_roofline.py --dtype bfloat16 --batch-sizes 32 64 128
+    .venv/bin/python benchmarks/decode_roofline.py --batch-sizes 1 32 64 --serve --llama-bench
 """
 from __future__ import annotations
 
@@ -28,30 +34,54 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.machine import machine_facts, memory_bandwidth_gb_s  # noqa: E402
+
 
 def linear_layers(model):
-    """(weight, bias) of every matmul a decode step runs, in model order."""
-    out = []
-    for layer in model.layers:
-        for mod in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                    layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            out.append((mod.weight, mod.bias))
-    head = model.head_weight  # the LM head as compute_logits reads it
-    if head is None:
-        head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    out.append((head, None))
-    return out
+    """(weight, bias, choice) of every matmul a decode step runs, in model order, each
+    once (an untied LM head is both a Linear module and the head)."""
+    from worker.linear_backend import linear_weights
+    seen, layers = set(), []
+    for owner, attr, weight in linear_weights(model):
+        if id(weight) not in seen:
+            seen.add(id(weight))
+            layers.append((weight, getattr(owner, "bias", None) if attr == "choice" else None,
+                           getattr(owner, attr)))
+    return layers
+
+
+def weight_bytes(weight) -> int:
+    return weight.nbytes if not isinstance(weight, torch.Tensor) else (
+        weight.numel() * weight.element_size())
+
+
+def decode_step_bytes(runner, context: int) -> dict:
+    """What a batch-1 decode step must read: every linear weight once, one request's
+    K/V over ``context`` tokens in every layer (norms and one embedding row are noise)."""
+    weights = sum(weight_bytes(w) for w, _, _ in linear_layers(runner.model))
+    arch = runner.arch
+    kv = (2 * arch.num_hidden_layers * context * arch.num_key_value_heads * arch.head_dim
+          * torch.empty((), dtype=runner.dtype).element_size())
+    return {"weights": weights, "kv": kv, "total": weights + kv}
 
 
 @torch.inference_mode()
-def time_linears(layers, batch, dtype, fn, repeats):
-    """Best-of-``repeats`` seconds for one pass over all layers at ``batch`` rows."""
-    xs = {w.shape[1]: torch.randn(batch, w.shape[1]).to(dtype) for w, _ in layers}
+def time_linears(layers, batch, dtype, plain: bool, repeats):
+    """Best-of-``repeats`` seconds for one pass over all layers at ``batch`` rows,
+    through each layer's chosen path, or plain ``F.linear`` (None if a weight is not a
+    tensor)."""
+    from worker.models.linear import linear
+    if plain and not all(isinstance(w, torch.Tensor) for w, _, _ in layers):
+        return None
+    xs = {w.shape[1]: torch.randn(batch, w.shape[1]).to(dtype) for w, _, _ in layers}
     times = []
     for _ in range(repeats + 1):  # the first pass warms up
         t0 = time.perf_counter()
-        for w, b in layers:
-            fn(xs[w.shape[1]], w, b)
+        for w, b, choice in layers:
+            if plain:
+                F.linear(xs[w.shape[1]], w, b)
+            else:
+                linear(xs[w.shape[1]], w, b, choice)
         times.append(time.perf_counter() - t0)
     return min(times[1:])
 
@@ -61,14 +91,12 @@ def time_decode_steps(llm, batch, context, steps):
     from engine_core.outputs import ModelRunnerOutput
     from folio import SamplingParams
     engine = llm.engine
-    # requests finish prefill over several steps; enough tokens that all B then decode
-    # together for ``steps`` steps
     prefill_steps = -(-batch * context // llm.config.scheduler.max_num_batched_tokens) + 1
     params = SamplingParams(temperature=0.0, max_tokens=steps + prefill_steps + 1,
                             ignore_eos=True)
     for i in range(batch):
         prompt = [100 + (i * 7919 + j * 31) % 40000 for j in range(context)]
-        engine.add_request(f"roof-{batch}-{i}", prompt, params)
+        engine.add_request(f"roof-{batch}-{i}-{time.monotonic_ns()}", prompt, params)
     decode_times = []
     while engine.has_unfinished_requests():
         so = engine.begin_step()
@@ -76,57 +104,148 @@ def time_decode_steps(llm, batch, context, steps):
         out = engine.executor.execute_model(so) if engine.needs_worker(so) else None
         engine.end_step(so, out or ModelRunnerOutput())
         elapsed = time.perf_counter() - t0
-        is_pure_decode = (len(so.num_scheduled_tokens) == batch
-                          and so.total_num_scheduled_tokens == batch)
-        if is_pure_decode:
+        if len(so.num_scheduled_tokens) == batch and so.total_num_scheduled_tokens == batch:
             decode_times.append(elapsed)
     return decode_times[:steps]
 
 
-def run(args):
+def roofline_row(llm, layers, batch, args) -> dict:
+    dtype = llm.runner.dtype
+    chosen = time_linears(layers, batch, dtype, False, args.repeats)
+    plain = time_linears(layers, batch, dtype, True, args.repeats)
+    roofline = min(t for t in (chosen, plain) if t is not None)
+    steps = time_decode_steps(llm, batch, args.context, args.steps)
+    step = statistics.median(steps)
+    row = {"batch": batch, "linear_seconds_folio": chosen, "linear_seconds_torch": plain,
+           "roofline_tok_s": batch / roofline, "decode_step_seconds": step,
+           "decode_step_seconds_all": steps, "decode_tok_s": batch / step,
+           "fraction_of_roofline": roofline / step}
+    print(f"batch {batch:4d}: linears {roofline * 1e3:7.2f} ms -> roofline "
+          f"{batch / roofline:7.1f} tok/s | decode step {step * 1e3:7.2f} ms -> "
+          f"{batch / step:7.1f} tok/s | {100 * roofline / step:5.1f}% of roofline", flush=True)
+    return row
+
+
+def bandwidth_row(runner, step_seconds: float, bandwidth: float, context: int) -> dict:
+    read = decode_step_bytes(runner, context)
+    limit = read["total"] / (bandwidth * 1e9)
+    print(f"batch 1 reads {read['total'] / 1e6:.1f} MB ({read['weights'] / 1e6:.1f} MB "
+          f"weights); at {bandwidth:.1f} GB/s the limit is {limit * 1e3:.2f} ms "
+          f"({1 / limit:.1f} tok/s); the step takes {step_seconds * 1e3:.2f} ms: "
+          f"{100 * limit / step_seconds:.1f}% of the bandwidth limit", flush=True)
+    return {"bytes": read, "bandwidth_gb_s": bandwidth, "limit_seconds": limit,
+            "limit_tok_s": 1 / limit, "step_seconds": step_seconds,
+            "fraction_of_bandwidth_limit": limit / step_seconds}
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def memory_row(runner, model_file: Path) -> dict:
+    """This process's resident memory against the issue's bound: the model file's size
+    plus the KV pool plus 300 MB. The process is the whole in-process engine (worker,
+    engine core, tokenizer, torch itself), so it overstates the worker alone."""
+    kv = sum(t.numel() * t.element_size() for t in runner.kv_caches)
+    files = [model_file] if model_file.is_file() else list(model_file.glob("*.safetensors"))
+    file_bytes = sum(f.stat().st_size for f in files)
+    bound = file_bytes + kv + 300 * 2 ** 20
+    row = {"rss_bytes": _status_bytes("VmRSS"), "peak_rss_bytes": _status_bytes("VmHWM"),
+           "model_file_bytes": file_bytes, "kv_pool_bytes": kv, "bound_bytes": bound}
+    print(f"RSS {row['rss_bytes'] / 2 ** 20:.0f} MiB (peak {row['peak_rss_bytes'] / 2 ** 20:.0f})"
+          f" vs model file {file_bytes / 2 ** 20:.0f} MiB + KV pool {kv / 2 ** 20:.0f} MiB + "
+          f"300 MiB = {bound / 2 ** 20:.0f} MiB", flush=True)
+    return row
+
+
+def serve_single_stream(args) -> dict:
+    """One client through `folio serve`: decode tok/s as 1 / mean TPOT."""
+    from benchmarks.serve_stack import serving
+    from folio.bench.serve import LoadSpec, bench_serve
+    from folio.bench.workload import make_workload
+    from text.tokenizer import Tokenizer
+    settings = {"model": {"path": args.model, "dtype": args.dtype, "max_model_len": 2048,
+                          "quantization": args.quantization},
+                "worker": {"num_threads": args.threads},
+                "observability": {"log_level": "warning"}}
+    reqs = make_workload(Tokenizer.from_model_path(args.model), "fixed", 4, args.context,
+                         128, seed=1)
+    with serving(settings) as (url, _):
+        bench_serve(url, "x", reqs[:1], LoadSpec(max_concurrency=1))  # warm-up
+        report = bench_serve(url, "x", reqs, LoadSpec(max_concurrency=1))
+    tok_s = 1000 / report["tpot_ms"]["mean"]
+    print(f"folio serve, 1 client: TPOT {report['tpot_ms']['mean']:.2f} ms -> "
+          f"{tok_s:.1f} tok/s", flush=True)
+    return {"tpot_ms": report["tpot_ms"], "tok_s": tok_s, "failed": report["failed"]}
+
+
+def run(args) -> dict:
     from folio import LLM
-    from worker.models.linear import linear
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=max(args.batch_sizes),
+    from model_files.paths import resolve_model_path
+    torch.set_num_threads(args.threads)
+    result = {"machine_at_start": machine_facts(), "context": args.context}
+    bandwidth = memory_bandwidth_gb_s()
+    print(f"read bandwidth {bandwidth:.1f} GB/s ({args.threads} threads)", flush=True)
+    llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
+              num_threads=args.threads, max_num_seqs=max(args.batch_sizes),
               max_num_batched_tokens=2048, max_model_len=args.context + args.steps + 64,
               enable_prefix_caching=False, kv_cache_bytes=int(args.kv_cache_gib * 1024 ** 3),
               **{"observability.log_level": "warning"})
-    model, dtype = llm.runner.model, llm.runner.dtype
-    layers = linear_layers(model)
-    rows = []
-    for batch in args.batch_sizes:
-        plain = time_linears(layers, batch, dtype, F.linear, args.repeats)
-        folio_path = time_linears(layers, batch, dtype, linear, args.repeats)
-        roofline = min(plain, folio_path)
-        steps = time_decode_steps(llm, batch, args.context, args.steps)
-        step = statistics.median(steps)
-        row = {"batch": batch, "linear_seconds_torch": plain,
-               "linear_seconds_folio": folio_path,
-               "roofline_tok_s": batch / roofline, "decode_step_seconds": step,
-               "decode_step_seconds_all": steps, "decode_tok_s": batch / step,
-               "fraction_of_roofline": roofline / step}
-        rows.append(row)
-        print(f"batch {batch:4d}: linears torch {plain * 1e3:7.1f} ms, folio "
-              f"{folio_path * 1e3:7.1f} ms -> roofline {batch / roofline:7.1f} tok/s | "
-              f"decode step {step * 1e3:7.1f} ms -> {batch / step:7.1f} tok/s | "
-              f"{100 * roofline / step:5.1f}% of roofline", flush=True)
-    return {"dtype": str(dtype), "context": args.context, "threads": torch.get_num_threads(),
-            "rows": rows}
+    runner = llm.runner
+    layers = linear_layers(runner.model)
+    result.update(dtype=str(runner.dtype), quantization=runner.quantization,
+                  linear_table=runner.linear_table, threads=torch.get_num_threads())
+    result["rows"] = [roofline_row(llm, layers, b, args) for b in args.batch_sizes]
+    one = [r for r in result["rows"] if r["batch"] == 1]
+    if one:
+        result["batch_1"] = bandwidth_row(runner, one[0]["decode_step_seconds"], bandwidth,
+                                          args.context)
+        result["bandwidth_after_gb_s"] = memory_bandwidth_gb_s()
+    result["memory"] = memory_row(runner, Path(resolve_model_path(args.model)))
+    del llm, runner
+    if args.serve:
+        result["serve_single_stream"] = serve_single_stream(args)
+    if args.llama_bench:
+        from benchmarks.llamacpp import llama_bench
+        bench = llama_bench(resolve_model_path(args.model), args.threads)
+        result["llama_bench"] = bench
+        print(f"llama-bench {bench['test']}, {args.threads} threads: {bench['tok_s']:.1f} "
+              f"+- {bench['tok_s_sd']:.1f} tok/s", flush=True)
+        folio_tok_s = one[0]["decode_tok_s"] if one else None
+        if folio_tok_s:
+            result["in_process_vs_llama_bench"] = folio_tok_s / bench["tok_s"]
+            print(f"Folio in-process / llama-bench: {folio_tok_s / bench['tok_s']:.2f}x")
+        if args.serve:
+            ratio = result["serve_single_stream"]["tok_s"] / bench["tok_s"]
+            result["serve_vs_llama_bench"] = ratio
+            print(f"Folio serve / llama-bench: {ratio:.2f}x")
+    result["machine_at_end"] = machine_facts()
+    return result
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 64, 128])
-    ap.add_argument("--context", type=int, default=256, help="prompt tokens per request")
-    ap.add_argument("--steps", type=int, default=8, help="decode steps timed per batch")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 64])
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens per request")
+    ap.add_argument("--steps", type=int, default=16, help="decode steps timed per batch")
     ap.add_argument("--repeats", type=int, default=3, help="linear-layer passes (best)")
-    ap.add_argument("--kv-cache-gib", type=float, default=2.0)
+    ap.add_argument("--kv-cache-gib", type=float, default=1.0)
+    ap.add_argument("--serve", action="store_true", help="single stream via folio serve")
+    ap.add_argument("--llama-bench", action="store_true",
+                    help="llama.cpp llama-bench tg128, same GGUF and threads")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     result = run(args)
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

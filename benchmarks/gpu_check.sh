@@ -107,10 +107,11 @@ fi
 PYTEST=("$PY" -m pytest -q -p no:cacheprovider -o addopts= -rs)
 T=tests/kernels/test_triton_paged_attention.py
 S=tests/kernels/test_triton_small_kernels.py
-KERNEL_TESTS=("$T" "$S" tests/kernels/test_paged_attention.py)
+KERNEL_TESTS=("$T" "$S" tests/kernels/test_paged_attention.py tests/kernels/test_triton_quant_linear.py)
 [ "$QUICK" = 1 ] && KERNEL_TESTS=("$T::test_matches_reference[window-fp16]"
   "$T::test_choose_num_splits" "$S::test_reshape_and_cache[4-2-16-k32-fp16]"
-  "$S::test_rms_norm[residual-64-fp32]" "$S::test_rotary_embedding[4-2-16-fp32]")
+  "$S::test_rms_norm[residual-64-fp32]" "$S::test_rotary_embedding[4-2-16-fp32]"
+  "tests/kernels/test_triton_quant_linear.py::test_16_bit_activations_and_bias[fp16-q4_1]")
 if [ "$CUDA" = 1 ]; then
   XDIST=()
   "$PY" -c "import xdist" 2>/dev/null && XDIST=(-n 8)  # Triton compiles in parallel

@@ -1,17 +1,20 @@
-"""Serving side by side: `folio serve` and llama-cpp-python's OpenAI server on the same
-GGUF file (SmolLM2-135M-Instruct Q4_1), same machine, same client (`folio bench serve`'s),
-in one run: aggregate throughput and latency at fixed concurrency, and single-stream
-decode speed.
+"""Serving side by side: `folio serve` and llama.cpp's own `llama-server` (continuous
+batching, ``-np N -cb``) on the same GGUF file (SmolLM2-135M-Instruct Q4_1), same
+machine, same client (`folio bench serve`'s), in one run: aggregate throughput and
+latency at fixed concurrency, and single-stream decode speed. The CPU model, its vector
+flags and the load average are recorded with the result.
 
-Precision differs and the report says so: llama.cpp computes on the 4-bit weights,
-Folio on weights dequantised to float32 (or bf16 with ``--dtype bfloat16``). Both are
-told to ignore EOS (Folio with ``ignore_eos``, llama.cpp with a -100 logit bias on the
-end tokens) so both generate exactly the requested lengths.
+Precision: llama.cpp computes on the file's blocks; Folio too with ``--quantization
+auto`` (the default: the GGUF stays quantized), or on dequantised floats with ``none``.
+The report says which. Both are told to ignore EOS (``ignore_eos`` and a -100 logit
+bias on the end tokens) so both generate exactly the requested lengths.
 
-llama-cpp-python is an optional baseline; this script installs it on request into its
-own environment (`--install-llamacpp`, a 5-minute compile), never into Folio's:
+The native binaries come from benchmarks/llamacpp.py (built from the llama-cpp-python
+sdist's vendored source into the git-ignored ``.llamacpp/``; ``--build-llamacpp`` builds
+them first, 5-15 minutes on 2 cores). ``--llamacpp python`` runs llama-cpp-python's
+one-request-at-a-time server instead (``--install-llamacpp`` puts it in its own venv):
 
-    .venv/bin/python benchmarks/serve_vs_llamacpp.py --install-llamacpp \
+    .venv/bin/python benchmarks/serve_vs_llamacpp.py --build-llamacpp \
         --json benchmarks/results/serve_vs_llamacpp.json
 """
 from __future__ import annotations
@@ -30,6 +33,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks import llamacpp  # noqa: E402
+from benchmarks.machine import machine_facts  # noqa: E402
 from benchmarks.serve_stack import serving  # noqa: E402
 from folio.bench.serve import LoadSpec, bench_serve, format_report  # noqa: E402
 from folio.bench.workload import make_workload  # noqa: E402
@@ -55,28 +60,45 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-class LlamaCppServer:
-    """llama_cpp.server on the default GGUF, n_threads = 2, context 2048."""
+def _wait_ready(proc: subprocess.Popen, url: str, what: str) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2)  # llama-server: 503 while loading
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not start")
+            time.sleep(0.5)
 
-    def __init__(self, threads: int):
+
+class LlamaCppServer:
+    """A llama.cpp server on the default GGUF: native ``llama-server`` with ``slots``
+    parallel sequences batched continuously, each with ``slot_ctx`` tokens of context,
+    or (``python``) llama_cpp.server, context 2048, one request at a time."""
+
+    def __init__(self, kind: str, threads: int, slots: int, slot_ctx: int):
         self.port = _free_port()
-        self.proc = subprocess.Popen(
-            [str(LLAMACPP_VENV / "bin" / "python"), "-m", "llama_cpp.server",
-             "--model", str(default_model_path()), "--model_alias", MODEL,
-             "--host", "127.0.0.1", "--port", str(self.port), "--n_ctx", "2048",
-             "--n_threads", str(threads), "--n_threads_batch", str(threads),
-             "--interrupt_requests", "False"],  # queue concurrent requests, do not cut them
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(self.url + "/v1/models", timeout=2)
-                return
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("llama_cpp.server did not start")
-                time.sleep(0.5)
+        if kind == "native":
+            exe = llamacpp.binary("llama-server")
+            if exe is None:
+                raise SystemExit("llama-server is not built; rerun with --build-llamacpp")
+            cmd = [str(exe), "-m", str(default_model_path()), "--alias", MODEL,
+                   "--host", "127.0.0.1", "--port", str(self.port), "-t", str(threads),
+                   "-tb", str(threads), "-np", str(slots), "-cb",
+                   "-c", str(slots * slot_ctx)]
+            ready = self.url + "/health"
+        else:
+            cmd = [str(LLAMACPP_VENV / "bin" / "python"), "-m", "llama_cpp.server",
+                   "--model", str(default_model_path()), "--model_alias", MODEL,
+                   "--host", "127.0.0.1", "--port", str(self.port), "--n_ctx", "2048",
+                   "--n_threads", str(threads), "--n_threads_batch", str(threads),
+                   "--interrupt_requests", "False"]  # queue concurrent requests
+            ready = self.url + "/v1/models"
+        self.command = cmd
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_ready(self.proc, ready, cmd[0])
 
     def close(self) -> None:
         self.proc.terminate()
@@ -86,8 +108,10 @@ class LlamaCppServer:
 def run_both(runs: dict, args) -> dict:
     tokenizer = Tokenizer.from_model_path("default")
     eos_bias = {"logit_bias": {str(t): -100 for t in tokenizer.eos_token_ids}}
-    results = {}
-    folio_settings = {"model": {"max_model_len": 2048, "dtype": args.dtype},
+    results, command = {}, None
+    folio_settings = {"model": {"max_model_len": 2048, "dtype": args.dtype,
+                                "quantization": args.quantization},
+                      "worker": {"num_threads": args.threads},
                       "observability": {"log_level": "warning"}}
     servers = (("folio", None), ("llama.cpp", eos_bias))
     for server, extra in servers:
@@ -95,17 +119,20 @@ def run_both(runs: dict, args) -> dict:
             ctx = serving(folio_settings)
             url, _ = ctx.__enter__()
         else:
-            llama = LlamaCppServer(args.threads)
+            llama = LlamaCppServer(args.llamacpp, args.threads, args.concurrency,
+                                   args.input_len + args.output_len + 64)
             url = llama.url
+            command = llama.command
         try:
             for run, (concurrency, num_prompts) in runs.items():
                 reqs = make_workload(tokenizer, "fixed", num_prompts, args.input_len,
                                      args.output_len, seed=1)
                 spec = LoadSpec(max_concurrency=concurrency)
-                bench_serve(url, MODEL, reqs[:2], spec, ignore_eos=extra is None,
+                # llama-server reads ignore_eos; llama_cpp.server has only the bias
+                ignore = server == "folio" or args.llamacpp == "native"
+                bench_serve(url, MODEL, reqs[:2], spec, ignore_eos=ignore,
                             extra=extra)  # warm-up
-                report = bench_serve(url, MODEL, reqs, spec, ignore_eos=extra is None,
-                                     extra=extra)
+                report = bench_serve(url, MODEL, reqs, spec, ignore_eos=ignore, extra=extra)
                 results[f"{server} {run}"] = report
                 print(f"--- {server}, {run}\n{format_report(report)}", flush=True)
         finally:
@@ -113,12 +140,18 @@ def run_both(runs: dict, args) -> dict:
                 ctx.__exit__(None, None, None)
             else:
                 llama.close()
-    return results
+    return results, command
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--install-llamacpp", action="store_true")
+    p.add_argument("--llamacpp", default="native", choices=["native", "python"],
+                   help="native llama-server -np N -cb, or llama-cpp-python's server")
+    p.add_argument("--build-llamacpp", action="store_true",
+                   help="build the native binaries first (benchmarks/llamacpp.py)")
+    p.add_argument("--jobs", type=int, default=2, help="compile jobs for --build-llamacpp")
+    p.add_argument("--install-llamacpp", action="store_true",
+                   help="install llama-cpp-python into .venv-llamacpp (--llamacpp python)")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--input-len", type=int, default=128)
@@ -126,34 +159,45 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="Folio's model.dtype (auto: float32 on CPUs without bf16)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf"],
+                   help="Folio's model.quantization (auto: the GGUF stays quantized)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    if args.build_llamacpp:
+        llamacpp.build(args.jobs)
     if args.install_llamacpp:
         install_llamacpp()
-    if not (LLAMACPP_VENV / "bin" / "python").exists():
+    if args.llamacpp == "python" and not (LLAMACPP_VENV / "bin" / "python").exists():
         raise SystemExit("llama-cpp-python is not installed; rerun with --install-llamacpp")
+    machine_at_start = machine_facts()
     runs = {f"{args.concurrency} clients": (args.concurrency, args.num_prompts),
             "1 client": (1, 4)}
-    results = run_both(runs, args)
+    results, command = run_both(runs, args)
     crowd = f"{args.concurrency} clients"
     ratio = (results[f"folio {crowd}"]["output_throughput"]
              / results[f"llama.cpp {crowd}"]["output_throughput"])
     print(f"{crowd}: Folio / llama.cpp aggregate output throughput {ratio:.2f}x "
-          f"(target >= 5x); p99 TTFT {results[f'folio {crowd}']['ttft_ms']['p99']:.0f} vs "
+          f"(target >= 3x); p99 TTFT {results[f'folio {crowd}']['ttft_ms']['p99']:.0f} vs "
           f"{results[f'llama.cpp {crowd}']['ttft_ms']['p99']:.0f} ms; p99 E2E "
           f"{results[f'folio {crowd}']['e2e_ms']['p99']:.0f} vs "
           f"{results[f'llama.cpp {crowd}']['e2e_ms']['p99']:.0f} ms")
     single = {s: 1000 / results[f"{s} 1 client"]["tpot_ms"]["mean"]
               for s in ("folio", "llama.cpp")}
     dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
-    print(f"1 client: decode {single['folio']:.1f} tok/s (Folio, {dtype} weights) vs "
-          f"{single['llama.cpp']:.1f} tok/s (llama.cpp, 4-bit weights)")
+    folio_weights = (f"{dtype} (dequantised Q4_1)" if args.quantization == "none"
+                     else f"the GGUF's Q4_1/Q8_0 blocks, {dtype} activations")
+    failed = {s: results[f"{s} {crowd}"]["failed"] for s in ("folio", "llama.cpp")}
+    print(f"1 client: decode {single['folio']:.1f} tok/s (Folio, {folio_weights}) vs "
+          f"{single['llama.cpp']:.1f} tok/s (llama.cpp {args.llamacpp}, Q4_1); "
+          f"client-side failures at {crowd}: {failed}")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "workload": vars(args), "precision": {"folio": f"{dtype} (dequantised Q4_1)",
-                                                  "llama.cpp": "Q4_1"},
+            "workload": vars(args), "machine_at_start": machine_at_start,
+            "machine_at_end": machine_facts(),
+            "precision": {"folio": folio_weights, "llama.cpp": "Q4_1"},
+            "llama.cpp command": command,
             "results": results, "aggregate_throughput_ratio": ratio,
-            "single_stream_decode_tok_s": single}, indent=2) + "\n")
+            "single_stream_decode_tok_s": single, "failed": failed}, indent=2) + "\n")
     return 0
 
 

@@ -25,6 +25,7 @@ ENV_PREFIX = "FOLIO_"
 FLAT_ALIASES = {
     "model": "model.path",
     "dtype": "model.dtype",
+    "quantization": "model.quantization",
     "max_model_len": "model.max_model_len",
     "tokenizer": "model.tokenizer",
     "seed": "model.seed",

@@ -18,6 +18,7 @@ from config.speculative import SpeculativeConfig
 
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "int8", "gguf")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,12 @@ class ModelConfig:
                    "bundled SmolLM2-135M-Instruct")
     dtype: str = _f("auto", "weight and activation dtype: auto|float32|bfloat16|float16 "
                     "(auto: bfloat16 on GPUs and bf16-capable CPUs, else float32)")
+    quantization: str = _f("none", "none|auto|int8|gguf (CPU): gguf keeps a GGUF's Q4_0/"
+                           "Q4_1/Q8_0 matrices quantized (native int8 kernels); int8 "
+                           "quantizes linear weights per channel on load; none "
+                           "dequantises to dtype (the default); auto: gguf for a quantized "
+                           "GGUF, else none. Not with tensor parallelism, sleep level 2 "
+                           "or weight updates")
     max_model_len: int | None = _f(None, "longest prompt + output in tokens; null takes the "
                                    "model's own limit")
     tokenizer: str | None = _f(None, "tokenizer.json or folder; null reads it from the model")
@@ -37,6 +44,8 @@ class ModelConfig:
 
     def __post_init__(self):
         _check(self.dtype in DTYPES, "model.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.quantization in QUANTIZATIONS, "model.quantization",
+               f"must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         _check(self.max_model_len is None or self.max_model_len >= 1, "model.max_model_len",
                f"must be at least 1, got {self.max_model_len}")
 
@@ -113,6 +122,7 @@ class CacheConfig:
 
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+LINEAR_BACKENDS = ("auto", "native", "kernel", "widen", "int8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +142,14 @@ class WorkerConfig:
                                "contiguous), 1.5-5x faster matmuls at 4-32 rows; a tied LM "
                                "head gets its own copy (vocab x hidden more memory). 16-bit "
                                "weights stay row-major where the native kernel reads them")
+    linear_backend: str = _f("auto", "CPU linear layers: auto times every exact path "
+                             "on the model's shapes at load and keeps the fastest per "
+                             "shape and row count (cached per CPU); native|kernel|widen "
+                             "force one where it applies; int8 (quantized weights only: "
+                             "activations quantized per block of 32, faster from a few "
+                             "rows on, less accurate; auto never picks it) forces the "
+                             "quantized kernels' integer route (see "
+                             "worker/models/linear_paths.py)")
     enable_sleep_mode: bool = _f(False, "serve LLM.sleep/wake_up and POST /sleep, /wake_up, "
                                  "GET /is_sleeping (RL hooks: free the KV pool, level 2 "
                                  "the weights too, between generations)")
@@ -147,6 +165,8 @@ class WorkerConfig:
         _check(self.attention_backend in ATTENTION_BACKENDS, "worker.attention_backend",
                f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _check(self.num_threads >= 0, "worker.num_threads", "must be non-negative")
+        _check(self.linear_backend in LINEAR_BACKENDS, "worker.linear_backend",
+               f"must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         _check(self.extension_cls is None or (
             isinstance(self.extension_cls, str) and self.extension_cls.count(":") == 1),
             "worker.extension_cls", f"must be 'package.module:Class', got "

@@ -1,7 +1,7 @@
 """The native CPU kernels, compiled at first use into one extension.
 
-``csrc/*.cpp`` (decode paged attention, 16-bit linear layers, fused RMSNorm, LoRA for
-decode-sized steps) are built with
+``csrc/*.cpp`` (decode paged attention, 16-bit linear layers, fused RMSNorm, linear layers
+on block-quantized weights, LoRA for decode-sized steps) are built with
 ``torch.utils.cpp_extension.load`` the first time :func:`ensure` (or a wrapper's
 ``is_available``) runs, then loaded from the build folder on later starts (a warm load
 takes well under a second; a cold build a minute or so). Each source registers its
@@ -51,8 +51,9 @@ log = get_logger(__name__)
 DISABLE_ENV = "FOLIO_DISABLE_CPU_KERNELS"
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention_decode.cpp", _CSRC / "half_linear.cpp",
-            _CSRC / "rms_norm.cpp", _CSRC / "lora_decode.cpp"]
-_HEADERS = [_CSRC / "cpu_vec.h"]  # torch only tracks `sources`: hashed into the name
+            _CSRC / "rms_norm.cpp", _CSRC / "quant_linear.cpp", _CSRC / "lora_decode.cpp"]
+# torch only tracks `sources`: headers are hashed into the name
+_HEADERS = [_CSRC / "cpu_vec.h", _CSRC / "quant_pack.h", _CSRC / "quant_tiles.h"]
 # -fopenmp: at::parallel_for's OpenMP backend is inline in the torch headers, and
 # `#pragma omp simd` marks the reductions vectorisable without -ffast-math.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG", "-w"]
@@ -71,7 +72,8 @@ def _disabled() -> bool:
     return value is not None and value.strip().lower() not in ("", "0", "false", "no")
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """The CPU's feature flags line (a build for one set must not run on another)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -86,7 +88,7 @@ def _extension_name() -> str:
     digest = hashlib.sha256()
     parts = [*(s.read_bytes() for s in _SOURCES), *(h.read_bytes() for h in _HEADERS),
              " ".join(_CFLAGS + _LDFLAGS).encode(), torch.__version__.encode(),
-             platform.machine().encode(), _cpu_flags().encode(),
+             platform.machine().encode(), cpu_flags().encode(),
              # torch's build.ninja names the sources by path: two checkouts with equal
              # sources sharing one folder would rewrite it and rebuild in turn for ever
              str(_CSRC).encode()]
@@ -94,6 +96,11 @@ def _extension_name() -> str:
         digest.update(part)
         digest.update(b"\0")
     return f"folio_cpu_kernels_{digest.hexdigest()[:12]}"
+
+
+def build_id() -> str:
+    """Names this build: sources, flags, torch version and CPU features hashed."""
+    return _extension_name()
 
 
 def _torch_default_root() -> Path:

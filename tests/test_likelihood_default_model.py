@@ -2,7 +2,9 @@
 logprobs of 5 texts are the same three ways, within 1e-3: ``echo`` + ``logprobs`` +
 ``max_tokens: 0`` over HTTP (what lm-eval's loglikelihood tasks send), the offline
 ``LLM``'s ``prompt_logprobs``, and Hugging Face transformers' teacher-forced
-log-likelihood of the same token ids (transformers loads the same GGUF itself)."""
+log-likelihood of the same token ids (transformers loads the same GGUF itself).
+Folio dequantises the GGUF too (``quantization: none``), offline and served, as
+transformers does: the comparison is of the engine, not of a weight format."""
 from __future__ import annotations
 
 import asyncio
@@ -14,7 +16,7 @@ import torch
 from engine_core.sampling_params import SamplingParams
 from tests.services.serve_process import serving_default_model
 
-SETTINGS = dict(dtype="float32", max_model_len=1024)
+SETTINGS = dict(dtype="float32", max_model_len=1024, quantization="none")
 TEXTS = ["The capital of France is Paris.",
          "def add(a, b):\n    return a + b\n",
          "Once upon a time, there lived an old fisherman who",

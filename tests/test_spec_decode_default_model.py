@@ -2,7 +2,13 @@
 with draft_model (the model as its own draft) equal those without speculation, token
 for token, over 10 chat prompts (5 copy-heavy: repeat, fix, quote; 5 free-form), 64
 tokens, alone and in a batch of 16 with chunked prefill and a forced preemption; and
-seeded sampling with n-gram drafts draws exactly the tokens it draws without them."""
+seeded sampling with n-gram drafts draws exactly the tokens it draws without them.
+
+The GGUF is dequantised (``quantization: none``): token-for-token equality needs each
+row's result not to depend on how many rows share the step, and the quantized weights'
+linear backends are chosen per row count (worker/linear_backend.py), so a verify step
+of k + 1 rows may take another path, summing in another order, than a one-row decode
+step. Those paths are not batch-invariant; float32 ``F.linear`` is, here."""
 import pytest
 
 from engine_core.sampling_params import SamplingParams
@@ -22,8 +28,8 @@ def tokens(outputs):
 
 def make_llm(**kw):
     from folio import LLM
-    return LLM(dtype="float32", max_model_len=512, **{"observability.log_level": "warning"},
-               **kw)
+    return LLM(dtype="float32", max_model_len=512, quantization="none",
+               **{"observability.log_level": "warning"}, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,16 @@ Three translations happen per tensor:
 2. GGUF name → HF name (``blk.3.attn_q.weight`` → ``model.layers.3.self_attn.q_proj.weight``);
 3. for ``llama`` GGUFs only, q/k rows go back to HF's rotary layout (see
    :func:`unpermute_rope_rows`). Qwen2 GGUFs keep HF's layout, so nothing is undone there.
+
+:func:`load_gguf_quantized` skips step 1 for matrices in a format the native kernels
+compute on (Q4_0, Q4_1, Q8_0): their blocks stay as stored (rows permuted as in step 3,
+which moves whole rows of blocks), for kernels/quant_linear.py to pack.
 """
 from __future__ import annotations
 
 import re
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +53,9 @@ _BLOCK_PARTS = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
 }
+# Formats kept quantized by load_gguf_quantized (the native kernels' formats).
+KEPT_QUANTIZED_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
+                                  GGMLQuantizationType.Q8_0})
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors the architecture already accounts for: rope_freqs became rope_scaling.
 _FOLDED_INTO_ARCHITECTURE = frozenset({ROPE_FREQS_TENSOR})
@@ -99,16 +108,59 @@ def dequantize_tensor(gguf: GGUFFile, name: str) -> torch.Tensor:
     return torch.from_numpy(dequantize(raw, info.ggml_type))
 
 
-def _convert_tensor(gguf: GGUFFile, name: str, architecture: ModelArchitecture,
-                    dtype: torch.dtype) -> tuple[str, torch.Tensor]:
-    hf_name = hf_tensor_name(name)
-    tensor = dequantize_tensor(gguf, name)
+@dataclass(slots=True)
+class QuantizedBlocks:
+    """A GGUF matrix kept as stored: ``raw`` uint8 ``[rows, bytes per row]`` of
+    ``ggml_type`` blocks; ``shape`` is the ``(rows, columns)`` of the values they hold."""
+
+    ggml_type: int
+    shape: tuple[int, int]
+    raw: torch.Tensor
+
+
+def _hf_rows(tensor: torch.Tensor, hf_name: str, architecture: ModelArchitecture) -> torch.Tensor:
+    """Rows in HF order: llama q/k rows un-permuted (any trailing layout, bytes too)."""
     if architecture.architecture == "llama":
         if ".self_attn.q_proj." in hf_name:
             tensor = unpermute_rope_rows(tensor, architecture.num_attention_heads)
         elif ".self_attn.k_proj." in hf_name:
             tensor = unpermute_rope_rows(tensor, architecture.num_key_value_heads)
+    return tensor
+
+
+def _convert_tensor(gguf: GGUFFile, name: str, architecture: ModelArchitecture,
+                    dtype: torch.dtype) -> tuple[str, torch.Tensor]:
+    hf_name = hf_tensor_name(name)
+    tensor = _hf_rows(dequantize_tensor(gguf, name), hf_name, architecture)
     return hf_name, tensor.to(dtype).contiguous()
+
+
+def _keeps_blocks(gguf: GGUFFile, name: str) -> bool:
+    info = gguf.tensors[name]
+    return (info.ggml_type in KEPT_QUANTIZED_TYPES and len(info.shape) == 2
+            and name.endswith(".weight") and "norm" not in name)
+
+
+def load_gguf_quantized(gguf: GGUFFile, dtype: torch.dtype) -> tuple[
+        ModelArchitecture, dict[str, torch.Tensor], dict[str, QuantizedBlocks]]:
+    """Architecture, the dequantised tensors (norms, other formats) in ``dtype``, and
+    the matrices in KEPT_QUANTIZED_TYPES as their blocks, all under HF names."""
+    architecture = architecture_from_gguf(gguf)
+    state_dict, quantized = {}, {}
+    for name in gguf.tensors:
+        if name in _FOLDED_INTO_ARCHITECTURE:
+            continue
+        if not _keeps_blocks(gguf, name):
+            hf_name, state_dict[hf_name] = _convert_tensor(gguf, name, architecture, dtype)
+            continue
+        info, hf_name = gguf.tensors[name], hf_tensor_name(name)
+        with warnings.catch_warnings():  # read-only view of the mapped file: never written
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.from_numpy(gguf.raw_tensor(name))
+        quantized[hf_name] = QuantizedBlocks(int(info.ggml_type), info.shape,
+                                             _hf_rows(raw, hf_name, architecture))
+    validate_state_dict({**state_dict, **quantized}, architecture, gguf.path)
+    return architecture, state_dict, quantized
 
 
 def load_gguf_state_dict(gguf: GGUFFile, architecture: ModelArchitecture,
@@ -124,14 +176,16 @@ def load_gguf_state_dict(gguf: GGUFFile, architecture: ModelArchitecture,
     return state_dict
 
 
-def load_gguf(path: Path, dtype: torch.dtype,
+def load_gguf(source: Path | GGUFFile, dtype: torch.dtype,
               cache: WeightCache | None = None) -> tuple[ModelArchitecture, dict[str, torch.Tensor]]:
-    """Architecture and HF-layout state dict of a GGUF file, via ``cache`` when given.
+    """Architecture and HF-layout state dict of a GGUF file (or its parsed header), via
+    ``cache`` when given.
 
     The header is always parsed (about 0.25 s for SmolLM2) so a cache entry can never
     disagree with the architecture; only the dequantised tensors come from the cache.
     """
-    gguf = GGUFFile(path)
+    gguf = source if isinstance(source, GGUFFile) else GGUFFile(source)
+    path = gguf.path
     architecture = architecture_from_gguf(gguf)
     cached = cache.load(path, dtype) if cache is not None else None
     if cached is not None:

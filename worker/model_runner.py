@@ -20,7 +20,9 @@ from worker.draft_runner import DraftRunner
 from worker.input_batch import InputBatch, build_input_batch
 from worker.kv_cache import KVCacheSpec, copy_blocks
 from worker.kv_pool import initialize_kv_pool
+from worker.linear_backend import choose_linear_backends
 from worker.loader import load_model
+from worker.quantization import load_weights, quantization_for_device, release_freed_memory
 from worker.lora.lora_manager import LoRAManager
 from worker.lora.lora_step import LoRAStep
 from worker.models.registry import build_model
@@ -69,17 +71,21 @@ class ModelRunner:
         self.device = resolve_device(worker_config.device) if tp is None else tp.device
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         t0 = time.perf_counter()
-        loaded = load_model(model_config.path, self.dtype)
+        loaded = load_model(model_config.path, self.dtype,
+                            quantization=quantization_for_device(model_config.quantization,
+                                                                self.device, tp is not None))
         self.arch = loaded.architecture
         self.max_model_len = self._resolve_max_model_len()
         self.model = build_model(self.arch, self.max_model_len + 1, tp)
-        self.model.load_weights(loaded.state_dict)
-        self.model.to(device=self.device, dtype=self.dtype).eval()
+        self.quantization = load_weights(self.model, loaded, self.device, self.dtype)
         k_major_weights = (self.device.type == "cpu" and worker_config.k_major_weights
                            and self.model.prepare_for_cpu())
+        self.linear_table = (choose_linear_backends(self.model, worker_config.linear_backend)
+                             if self.device.type == "cpu" else {})
+        release_freed_memory()
         self.load_seconds = time.perf_counter() - t0
         log.debug("model loaded", path=str(loaded.source_path), dtype=str(self.dtype),
-                  k_major_weights=k_major_weights,
+                  k_major_weights=k_major_weights, quantization=self.quantization,
                   architecture=self.arch.architecture, seconds=round(self.load_seconds, 2))
         self.block_size = memory_config.block_size
         self.channel = (StepChannel(tp, self.arch.hidden_size, self.dtype)

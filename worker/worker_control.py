@@ -40,6 +40,11 @@ class WorkerControl:
         return self.sleep_mode.is_sleeping
 
     def sleep(self, level: int) -> None:
+        quantization = getattr(self.runner, "quantization", "none")
+        if level == 2 and quantization != "none":
+            raise ValueError(f"sleep level 2 reloads float weights, and this model's are "
+                             f"held quantized (model.quantization: {quantization}); use "
+                             f"level 1, or model.quantization: none")
         if level == 2 and self.num_weight_updates:
             log.warning("sleep level 2 drops the updated weights: wake reloads model.path "
                         "(send the update again after waking)",
@@ -54,6 +59,11 @@ class WorkerControl:
         naming the bad tensor leaves the model as it was); returns how many."""
         if self.sleep_mode.level == 2:
             raise WeightUpdateError("the weights are dropped (sleep level 2): wake up first")
+        quantization = getattr(self.runner, "quantization", "none")
+        if quantization != "none":
+            raise WeightUpdateError(f"this model's weights are held quantized "
+                                    f"(model.quantization: {quantization}); updates need "
+                                    f"model.quantization: none")
         plan = plan_weight_update(read_update_weights(source), self.runner.arch,
                                   self.runner.model)
         apply_weight_update(self.runner.model, plan)

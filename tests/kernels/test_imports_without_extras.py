@@ -14,9 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 BLOCKED = ("structlog", "gguf", "opentelemetry")
 KERNEL_TESTS = ["tests/kernels/test_triton_paged_attention.py",
                 "tests/kernels/test_triton_small_kernels.py",
-                "tests/kernels/test_paged_attention.py"]
+                "tests/kernels/test_paged_attention.py",
+                "tests/kernels/test_triton_quant_linear.py"]
 GPU_PATH = ["kernels.rms_norm", "kernels.reshape_and_cache", "kernels.rotary_embedding",
             "kernels.paged_attention", "kernels.triton_paged_attention",
+            "kernels.quant_linear", "kernels.triton_quant_linear",
             "kernels.cpu_paged_attention", "worker.cuda_graphs", "worker.gpu_memory",
             "worker.sampler", "worker.sampling_metadata"]
 

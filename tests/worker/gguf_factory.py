@@ -42,6 +42,7 @@ class TinyModelSpec:
     embed_type: Q = Q.Q8_0
     proj_type: Q = Q.F16
     norm_type: Q = Q.F32
+    weight_scale: float = 1.0  # matrices are standard normal times this
     extra_metadata: dict[str, Any] = field(default_factory=dict)
     extra_tensors: dict[str, np.ndarray] = field(default_factory=dict)  # stored as F32
 
@@ -60,6 +61,9 @@ def _hf_tensors(spec: TinyModelSpec, rng: np.random.Generator) -> list[tuple[str
     h, i, q_rows, kv_rows = (spec.hidden_size, spec.intermediate_size,
                              spec.num_heads * head_dim, spec.num_kv_heads * head_dim)
     rand = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    if spec.weight_scale != 1.0:
+        unit = rand
+        rand = lambda *shape: unit(*shape) * (spec.weight_scale if len(shape) == 2 else 1)  # noqa: E731
     out = [("token_embd.weight", "model.embed_tokens.weight", rand(spec.vocab_size, h), spec.embed_type),
            ("output_norm.weight", "model.norm.weight", rand(h), spec.norm_type)]
     if not spec.tied:

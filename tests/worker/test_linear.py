@@ -103,5 +103,6 @@ def test_k_major_weights_keep_values_shapes_and_results(dtype):
 
 
 def test_16_bit_weights_stay_row_major_where_the_kernel_reads_them():
+    # on any CPU, so that the measured choice (worker/linear_backend.py) can pick it
     assert wants_k_major(torch.float32)
-    assert wants_k_major(torch.bfloat16) == (not (NO_HALF and cpu_extension.is_available()))
+    assert wants_k_major(torch.bfloat16) == (not cpu_extension.is_available())

@@ -25,7 +25,9 @@ Two measured effects on a 2-core AVX-512 CPU (SmolLM2's projection shapes):
   From 256 rows on (prefill) widening catches up and the float32 GEMM's better blocking
   wins.
 
-:func:`half_path` decides per call; :func:`linear` follows it.
+:func:`half_path` is the fixed rule; a layer given a measured choice
+(worker/linear_backend.py, which times every path of worker/models/linear_paths.py on
+the model's own shapes) follows that instead, and so does :func:`linear`.
 """
 from __future__ import annotations
 
@@ -34,29 +36,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_extension
+from kernels.quant_linear import PackedWeight
 from worker.device import cpu_has_native_half
+from worker.models.linear_paths import (HALF_DTYPES, KERNEL, NATIVE, WIDEN, LinearChoice,
+                                        candidates, kernel_takes, run_path)
 
-HALF_DTYPES = (torch.bfloat16, torch.float16)
 # Rows (tokens) from which widening beats the native bf16 GEMM on a CPU without bf16
 # instructions: measured crossover between 64 and 128 rows for SmolLM2's projections.
 WIDEN_MIN_ROWS = 64
 # Rows below which the native 16-bit kernel runs. Over SmolLM2's layers widening ties
 # with it at 256 rows and wins beyond (the float32 GEMM's blocking), so prefill widens.
 HALF_KERNEL_MAX_ROWS = 256
-NATIVE, KERNEL, WIDEN = "native", "kernel", "widen"
 
 
 def lacks_half_arithmetic(dtype: torch.dtype, device: torch.device) -> bool:
     """A 16-bit ``dtype`` on a CPU that cannot multiply it natively."""
     return dtype in HALF_DTYPES and device.type == "cpu" and not cpu_has_native_half(dtype)
-
-
-def kernel_takes(weight: torch.Tensor) -> bool:
-    """Whether the native 16-bit kernel can run ``x @ weight.T``: row-major 16-bit
-    weight, out a multiple of 16 and in of 32, and the kernels built."""
-    return (weight.dim() == 2 and weight.dtype in HALF_DTYPES and weight.stride(1) == 1
-            and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
-            and cpu_extension.is_available())
 
 
 def half_path(x: torch.Tensor, weight: torch.Tensor) -> str:
@@ -70,36 +65,36 @@ def half_path(x: torch.Tensor, weight: torch.Tensor) -> str:
     return WIDEN if rows >= WIDEN_MIN_ROWS else NATIVE
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` through the fastest exact path :func:`half_path` picks."""
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
+           choice: LinearChoice | None = None) -> torch.Tensor:
+    """``F.linear`` through the layer's measured ``choice`` if it has one, else the
+    fixed rule (:func:`half_path`; a quantized weight runs its kernel's default)."""
+    if choice is not None:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        return run_path(choice.path_for(rows), x, weight, bias)
+    if isinstance(weight, PackedWeight):
+        return run_path(candidates(weight)[0], x, weight, bias)
     if x.dtype not in HALF_DTYPES:  # float32: no decision to make
         return F.linear(x, weight, bias)
-    path = half_path(x, weight)
-    if path == KERNEL:
-        ops = cpu_extension.require()
-        if x.dim() == 2:
-            return ops.half_linear(x, weight, bias)
-        out = ops.half_linear(x.reshape(-1, x.shape[-1]), weight, bias)
-        return out.reshape(*x.shape[:-1], weight.shape[0])
-    if path == WIDEN:
-        out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-        return out.to(x.dtype)
-    return F.linear(x, weight, bias)
+    return run_path(half_path(x, weight), x, weight, bias)
 
 
 def wants_k_major(dtype: torch.dtype) -> bool:
-    """Whether weights of ``dtype`` run faster K-major on this CPU: yes for the float32
-    GEMM, no for 16-bit weights the native kernel reads (it wants them row-major)."""
-    return not (lacks_half_arithmetic(dtype, torch.device("cpu"))
-                and cpu_extension.is_available())
+    """Whether weights of ``dtype`` are re-laid K-major on this CPU: float32 yes (its
+    GEMM is faster so); 16-bit weights stay row-major where the native kernel can read
+    them, so the measured choice can pick it (an AMX CPU measured K-major bf16 as the
+    slowest layout at every row count, and the kernel 2.2x faster at one row)."""
+    return dtype not in HALF_DTYPES or not cpu_extension.is_available()
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` computing through :func:`linear` (same parameters and names)."""
+    """``nn.Linear`` computing through :func:`linear` (same parameters and names);
+    ``choice`` is the measured path per row count, set at load."""
+
+    choice: LinearChoice | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.choice)
 
 
 def k_major(weight: torch.Tensor) -> torch.Tensor:

@@ -170,8 +170,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if arch.tie_word_embeddings else Linear(
             arch.hidden_size, shard.vocab_per_rank, bias=False)
         # A tied head reads the embedding matrix, whose rows the lookup needs row-major;
-        # prepare_for_cpu() may give the head its own K-major copy instead.
-        self.head_weight: torch.Tensor | None = None
+        # prepare_for_cpu() may give the head its own K-major copy instead (or the
+        # quantized embedding's packed blocks, worker/models/quant_linear.py).
+        self.head_weight = None
+        self.head_choice = None  # the head's measured LinearChoice (linear_backend.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], ctx: AttentionContext,
@@ -194,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
         weight = self.head_weight
         if weight is None:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = linear(hidden, weight).float()
+        logits = linear(hidden, weight, None, self.head_choice).float()
         if self.tp is None:
             return logits
         logits = self.tp.gather_last_dim(logits)
@@ -204,10 +206,10 @@ class LlamaForCausalLM(nn.Module):
         """Lay the linear weights out K-major where the CPU GEMM wants it
         (worker/models/linear.py; a tied head then gets a K-major copy of the
         embedding, one more vocab x hidden). Returns whether it did."""
-        if not wants_k_major(self.embed_tokens.weight.dtype):
+        if not wants_k_major(self.norm.weight.dtype):
             return False
         use_k_major_weights(self)
-        if self.lm_head is None:
+        if self.lm_head is None and self.head_weight is None:
             self.head_weight = k_major(self.embed_tokens.weight)
         return True
 
@@ -236,8 +238,9 @@ class LlamaForCausalLM(nn.Module):
                          for n in "qkv"]
                 if all(t is not None for t in parts):
                     put(f"layers.{i}.self_attn.qkv_proj.{suffix}", torch.cat(parts))
-            put(f"layers.{i}.mlp.gate_up_proj.weight", torch.cat(
-                [state_dict.pop(f"{p}mlp.gate_proj.weight"), state_dict.pop(f"{p}mlp.up_proj.weight")]))
+            parts = [state_dict.pop(f"{p}mlp.{n}_proj.weight", None) for n in ("gate", "up")]
+            if all(t is not None for t in parts):  # absent: a quantized layer holds them
+                put(f"layers.{i}.mlp.gate_up_proj.weight", torch.cat(parts))
         for name, tensor in state_dict.items():
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding serves as the head

@@ -1,0 +1,56 @@
+"""What a benchmark result was measured on: CPU model and its vector flags, threads,
+torch version, the machine's load while it ran, and (on request) memory bandwidth
+measured in the same run.
+
+Every benchmark records these next to its figures: CPUs of this project differ (AVX-512
+with or without bf16 and VNNI, AMX), and the machines are shared, so a figure means
+little without the CPU it ran on and how busy that was.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import time
+
+import torch
+
+# Flags that decide which kernels run (the rest of /proc/cpuinfo's list is noise here).
+_VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                 "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile")
+
+
+def cpu_model_and_flags() -> tuple[str, list[str]]:
+    model, flags = platform.processor() or platform.machine(), []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    present = set(line.split(":", 1)[1].split())
+                    flags = [f for f in _VECTOR_FLAGS if f in present]
+                    break
+    except OSError:
+        pass
+    return model, flags
+
+
+def machine_facts() -> dict:
+    """CPU, threads, torch and the load average now (call at the end of a run too)."""
+    model, flags = cpu_model_and_flags()
+    return {"cpu_model": model, "cpu_flags": flags, "cpus": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
+            "load_average_1_5_15": [round(x, 2) for x in os.getloadavg()]}
+
+
+def memory_bandwidth_gb_s(size_mib: int = 512, repeats: int = 5) -> float:
+    """Read bandwidth, GB/s: the best of ``repeats`` sums over a buffer far larger than
+    the caches, on torch's threads (what a decode step's weight streaming can reach)."""
+    buf = torch.ones(size_mib * 2 ** 20 // 4)
+    buf.sum()  # first touch
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 4 / best / 1e9

@@ -1,0 +1,254 @@
+// y = x @ W.T for GGUF block-quantized W (Q4_0, Q4_1, Q8_0) kept quantized in memory,
+// in the packed layout of quant_pack.h, computed by one of the routes of quant_tiles.h:
+//
+//   route 1  int8 dot products, AVX512-VNNI          (built when -march=native has it)
+//   route 2  int8 dot products, AVX2 vpmaddubsw      (built on any AVX2 CPU)
+//   route 3  int8 dot products, plain C++            (always built)
+//   route 4  widening to float32 FMAs                (always built)
+//   route 0  the best int8 route built here (1, else 2, else 3)
+//
+// Work split: threads take groups of 16 weight rows; each group meets the activation
+// rows MR = 8 at a time, so its weights (about 6-15 KB for the default model's rows) are
+// read from memory once and from L1 for the other rows.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "quant_tiles.h"
+
+namespace folio::quant {
+namespace {
+
+#ifndef FOLIO_QUANT_MR
+#define FOLIO_QUANT_MR 8
+#endif
+constexpr int kMR = FOLIO_QUANT_MR;  // activation rows per tile
+enum Route : int64_t { kBestInt8 = 0, kVnni512 = 1, kAvx2 = 2, kScalar = 3, kWiden = 4 };
+
+std::vector<int64_t> built_routes() {
+  std::vector<int64_t> routes;
+#ifdef FOLIO_QUANT_VNNI512
+  routes.push_back(kVnni512);
+#endif
+#ifdef FOLIO_QUANT_AVX2
+  routes.push_back(kAvx2);
+#endif
+  routes.push_back(kScalar);
+  routes.push_back(kWiden);
+  return routes;
+}
+
+// Everything a tile needs besides its group and first row.
+struct Operands {
+  const uint8_t* qs;
+  const c10::Half* scales;
+  int64_t B;                   // blocks per row
+  const QuantizedRows* xr;     // int8 routes
+  const float* xf;             // widening route: float32 x [M][K]
+};
+
+template <int64_t Fmt, int MR>
+void tile(int64_t route, const Operands& o, int64_t g, int64_t m0, float* acc, bool ahead) {
+  const uint8_t* qs = o.qs + g * o.B * qs_bytes(Fmt);
+  const c10::Half* sc = o.scales + g * o.B * scale_count(Fmt);
+  switch (route) {
+#ifdef FOLIO_QUANT_VNNI512
+    case kVnni512:
+      return tile_vnni512<Fmt, MR>(qs, sc, o.B, *o.xr, m0, acc,
+                                   ahead ? qs + o.B * qs_bytes(Fmt) : nullptr);
+#endif
+#ifdef FOLIO_QUANT_AVX2
+    case kAvx2: return tile_avx2<Fmt, MR>(qs, sc, o.B, *o.xr, m0, acc);
+#endif
+    case kWiden: return tile_widen<Fmt, MR>(qs, sc, o.B, o.xf, o.B * kBlock, m0, acc);
+    default: return tile_scalar<Fmt, MR>(qs, sc, o.B, *o.xr, m0, acc);
+  }
+}
+
+template <int64_t Fmt, int MR = kMR>
+void tile_rows(int rows, int64_t route, const Operands& o, int64_t g, int64_t m0, float* acc,
+               bool ahead) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return tile_rows<Fmt, MR - 1>(rows, route, o, g, m0, acc, ahead);
+  }
+  tile<Fmt, MR>(route, o, g, m0, acc, ahead);
+}
+
+// Rows [0, rows) of a [rows][ldb] float buffer, columns [0, cols), into y (+ bias).
+template <typename O>
+void store(const float* buf, int64_t ldb, int64_t rows, int64_t cols, const float* bias,
+           O* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j)
+      y[r * ldy + j] = static_cast<O>(buf[r * ldb + j] + (bias ? bias[j] : 0.f));
+}
+
+// Groups [g0, g1) against all M rows: tiles land in `buf` [M][span], which is then
+// written out row by row. Storing each tile straight into y would keep M rows of y
+// open at once, N apart: for the LM head (N = 49152, a multiple of 4096) those lines
+// all fall in a few cache sets and evict each other, which measured 2.5x slower at 64
+// rows; written row by row, each line of y is written once, whole.
+template <int64_t Fmt, typename O>
+void run_groups(int64_t route, const Operands& o, int64_t M, int64_t N, int64_t g0,
+                int64_t g1, const float* bias, O* y, std::vector<float>& buf) {
+  const int64_t groups = (N + kGroupRows - 1) / kGroupRows;
+  const int64_t span = (g1 - g0) * kGroupRows;
+  buf.resize(static_cast<size_t>(M * span));
+  alignas(64) float acc[kMR * kGroupRows];
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t m0 = 0; m0 < M; m0 += kMR) {
+      const int rows = static_cast<int>(std::min<int64_t>(kMR, M - m0));
+      // the last tile of a group that had others prefetches the next group: re-reading
+      // this one from cache stops the hardware prefetcher (Q8_0 ran at half speed)
+      const bool ahead = m0 > 0 && m0 + kMR >= M && g + 1 < groups;
+      tile_rows<Fmt>(rows, route, o, g, m0, acc, ahead);
+      store(acc, kGroupRows, rows, kGroupRows, nullptr,
+            buf.data() + m0 * span + (g - g0) * kGroupRows, span);
+    }
+  }
+  const int64_t cols = std::min(span, N - g0 * kGroupRows);
+  store(buf.data(), span, M, cols, bias ? bias + g0 * kGroupRows : nullptr,
+        y + g0 * kGroupRows, N);
+}
+
+template <int64_t Fmt, typename O>
+void run(int64_t route, const Operands& o, int64_t M, int64_t N, const float* bias, O* y) {
+  const int64_t groups = (N + kGroupRows - 1) / kGroupRows;
+  // one tile of rows: groups go straight out; more: 4 groups (64 columns) at a time
+  const int64_t per_item = M > kMR ? 4 : 1;
+  const int64_t items = (groups + per_item - 1) / per_item;
+  const int64_t work = std::max<int64_t>(1, M * o.B * kBlock * kGroupRows * per_item);
+  const int64_t grain = std::max<int64_t>(1, 65536 / work);  // ~64K multiply-adds a chunk
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> buf;
+    for (int64_t i = begin; i < end; ++i)
+      run_groups<Fmt>(route, o, M, N, i * per_item, std::min(groups, (i + 1) * per_item),
+                      bias, y, buf);
+  });
+}
+
+template <typename O>
+void run_format(int64_t fmt, int64_t route, const Operands& o, int64_t M, int64_t N,
+                const float* bias, O* y) {
+  if (fmt == kQ4_0) return run<kQ4_0>(route, o, M, N, bias, y);
+  if (fmt == kQ4_1) return run<kQ4_1>(route, o, M, N, bias, y);
+  return run<kQ8_0>(route, o, M, N, bias, y);
+}
+
+void check_operands(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
+                    int64_t fmt, int64_t n, int64_t route) {
+  TORCH_CHECK(fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ8_0,
+              "quant_linear: format must be Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
+  TORCH_CHECK(x.dim() == 2 && x.is_floating_point(), "quant_linear: x must be [M, K] float");
+  TORCH_CHECK(qs.dim() == 3 && qs.scalar_type() == at::kByte && qs.is_contiguous() &&
+                  qs.size(2) == qs_bytes(fmt),
+              "quant_linear: qs must be contiguous uint8 [groups, blocks, chunk bytes]");
+  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kHalf &&
+                  scales.is_contiguous() && scales.size(2) == scale_count(fmt) &&
+                  scales.size(0) == qs.size(0) && scales.size(1) == qs.size(1),
+              "quant_linear: scales must be contiguous fp16 [groups, blocks, 16 or 32]");
+  TORCH_CHECK(x.size(1) == qs.size(1) * kBlock, "quant_linear: x is [M, K], K = 32 * blocks");
+  TORCH_CHECK(n > (qs.size(0) - 1) * kGroupRows && n <= qs.size(0) * kGroupRows,
+              "quant_linear: n does not match the number of row groups");
+  const auto routes = built_routes();
+  TORCH_CHECK(route == kBestInt8 || std::find(routes.begin(), routes.end(), route) != routes.end(),
+              "quant_linear: route ", route, " is not built for this CPU");
+}
+
+// x [M, K] float32/bf16/fp16; returns x @ W.T (+ bias) [M, n] in x's dtype.
+at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& scales,
+                        int64_t fmt, int64_t n, const c10::optional<at::Tensor>& bias,
+                        int64_t route) {
+  check_operands(x_in, qs, scales, fmt, n, route);
+  if (route == kBestInt8) route = built_routes().front();
+  const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor out = at::empty({M, n}, x.options());
+  if (M == 0) return out;
+  at::Tensor bias_f, xf;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "quant_linear: bias must be [n]");
+    bias_f = bias->to(at::kFloat).contiguous();
+  }
+  thread_local QuantizedRows xr;  // the caller's thread prepares x
+  Operands o{qs.const_data_ptr<uint8_t>(), scales.const_data_ptr<c10::Half>(), qs.size(1),
+             &xr, nullptr};
+  if (route == kWiden) {
+    xf = x.to(at::kFloat).contiguous();
+    o.xf = xf.const_data_ptr<float>();
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear", [&] {
+    if (route != kWiden) quantize_rows(x.const_data_ptr<scalar_t>(), x.stride(0), M, K, xr);
+    run_format(fmt, route, o, M, n, bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr,
+               out.data_ptr<scalar_t>());
+  });
+  return out;
+}
+
+// Row `row` of the weight as floats: d * (u - offset) (+ m), u as stored.
+template <int64_t Fmt, typename O>
+void dequantize_row(const uint8_t* qs, const c10::Half* sc, int64_t B, int64_t row, O* out) {
+  const int64_t g = row / kGroupRows;
+  const int j = static_cast<int>(row % kGroupRows);
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* q = qs + (g * B + b) * qs_bytes(Fmt);
+    const c10::Half* s = sc + (g * B + b) * scale_count(Fmt);
+    const float d = static_cast<float>(s[j]);
+    const float m = Fmt == kQ4_1 ? static_cast<float>(s[16 + j]) : 0.f;
+    for (int k = 0; k < kBlock; ++k)
+      out[b * kBlock + k] = static_cast<O>(
+          static_cast<float>(stored_at<Fmt>(q, j, k) - offset_of(Fmt)) * d + m);
+  }
+}
+
+// The weight's rows `rows` (all rows when undefined) as `dtype`: embedding lookups and
+// the dequantise-then-GEMM path. Same values as kernels/quant_linear.py's dequantize.
+at::Tensor quant_dequantize(const at::Tensor& qs, const at::Tensor& scales, int64_t fmt,
+                            int64_t n, const c10::optional<at::Tensor>& rows_in,
+                            at::ScalarType dtype) {
+  check_operands(at::empty({0, qs.size(1) * kBlock}), qs, scales, fmt, n, kBestInt8);
+  const int64_t B = qs.size(1);
+  const at::Tensor rows = rows_in.has_value() && rows_in->defined()
+                              ? rows_in->to(at::kLong).contiguous().view(-1)
+                              : at::arange(n, at::kLong);
+  const int64_t* r = rows.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < rows.numel(); ++i)
+    TORCH_CHECK(r[i] >= 0 && r[i] < n, "quant_dequantize: row ", r[i], " out of range");
+  at::Tensor out = at::empty({rows.numel(), B * kBlock}, at::TensorOptions().dtype(dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "quant_dequantize", [&] {
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const uint8_t* q = qs.const_data_ptr<uint8_t>();
+    const c10::Half* sc = scales.const_data_ptr<c10::Half>();
+    at::parallel_for(0, rows.numel(), 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        scalar_t* row_out = o + i * B * kBlock;
+        if (fmt == kQ4_0) dequantize_row<kQ4_0>(q, sc, B, r[i], row_out);
+        else if (fmt == kQ4_1) dequantize_row<kQ4_1>(q, sc, B, r[i], row_out);
+        else dequantize_row<kQ8_0>(q, sc, B, r[i], row_out);
+      }
+    });
+  });
+  return out;
+}
+
+std::vector<int64_t> quant_routes() { return built_routes(); }
+
+}  // namespace
+}  // namespace folio::quant
+
+TORCH_LIBRARY_FRAGMENT(folio, m) {
+  m.def("quant_linear(Tensor x, Tensor qs, Tensor scales, int fmt, int n, Tensor? bias=None, "
+        "int route=0) -> Tensor");
+  m.def("quant_routes() -> int[]", &folio::quant::quant_routes);
+  m.def("quant_dequantize(Tensor qs, Tensor scales, int fmt, int n, Tensor? rows, "
+        "ScalarType dtype) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(folio, CPU, m) {
+  m.impl("quant_linear", &folio::quant::quant_linear);
+  m.impl("quant_dequantize", &folio::quant::quant_dequantize);
+}

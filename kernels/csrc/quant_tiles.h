@@ -1,0 +1,238 @@
+// One group of 16 packed weight rows (quant_pack.h) against MR activation rows: the
+// tile every quantized route computes, into acc[MR][16] float32 (lane j = row j).
+//
+//   int8 routes (activations quantized per block, integer dot products per block):
+//     tile_vnni512  AVX512-VNNI: one `vpdpbusd` per 4 k of 16 rows
+//     tile_avx2     AVX2: `vpmaddubsw` + `vpmaddwd` per 4 k of 8 rows, for CPUs
+//                   without VNNI (Q8_0 through the sign trick, see below)
+//     tile_scalar   plain C++, any CPU
+//   widening route (float32 activations, weights widened in registers):
+//     tile_widen    GCC vector extensions, 16 float lanes (zmm, 2 ymm or 4 xmm)
+//
+// Per block the integer routes add  d * xd * (p - off * xs) [+ m * xd * xs]  to each
+// output (the identities in quant_pack.h); the order of float additions is the same
+// whatever MR is, so a row's result does not depend on the rows beside it.
+#pragma once
+
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "quant_pack.h"
+
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace folio::quant {
+
+// The 16 fp16 values at p as floats.
+inline void halves_to_float(const c10::Half* p, float* out) {
+  for (int i = 0; i < kGroupRows; ++i) out[i] = static_cast<float>(p[i]);
+}
+
+inline int32_t word_at(const int8_t* p) {  // 4 int8 as one 32-bit word (to broadcast)
+  int32_t w;
+  std::memcpy(&w, p, sizeof w);
+  return w;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define FOLIO_QUANT_VNNI512 1
+
+template <int64_t Fmt, int MR>
+inline void tile_vnni512(const uint8_t* qs, const c10::Half* sc, int64_t B,
+                         const QuantizedRows& xr, int64_t m0, float* out,
+                         const uint8_t* ahead = nullptr) {
+  constexpr int S = scale_count(Fmt);
+  const int64_t K = B * kBlock;
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    __m512i w[8];  // operand i pairs with activation word i (k = 4i .. 4i+3)
+    const uint8_t* q = qs + b * qs_bytes(Fmt);
+    if constexpr (is_q4(Fmt)) {
+      const __m512i low4 = _mm512_set1_epi8(15);
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(q + 64 * c);
+        w[2 * c] = _mm512_and_si512(v, low4);
+        w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      }
+    } else {
+      for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(q + 64 * c);
+    }
+    if (ahead != nullptr)  // the next group's block: re-reading this one stops the prefetcher
+      for (int c = 0; c < qs_bytes(Fmt) / 64; ++c) __builtin_prefetch(ahead + b * qs_bytes(Fmt) + 64 * c);
+    const c10::Half* s = sc + b * S;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+    __m512 mins = _mm512_setzero_ps();
+    if constexpr (Fmt == kQ4_1)
+      mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)));
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = m0 + r, i = row * B + b;
+      const int8_t* x = xr.q.data() + row * K + b * kBlock;
+      // two chains of four dot products each: half the latency of one chain
+      __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(word_at(x)));
+      __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(word_at(x + 4)));
+      for (int k = 2; k < 8; k += 2) {
+        p0 = _mm512_dpbusd_epi32(p0, w[k], _mm512_set1_epi32(word_at(x + 4 * k)));
+        p1 = _mm512_dpbusd_epi32(p1, w[k + 1], _mm512_set1_epi32(word_at(x + 4 * k + 4)));
+      }
+      __m512i p = _mm512_add_epi32(p0, p1);
+      if constexpr (offset_of(Fmt) != 0)
+        p = _mm512_sub_epi32(p, _mm512_set1_epi32(offset_of(Fmt) * xr.sum[i]));
+      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xr.scale[i]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, acc[r]);
+      if constexpr (Fmt == kQ4_1)
+        acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xr.msum[i]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * kGroupRows, acc[r]);
+}
+#endif
+
+#if defined(__AVX2__)
+#define FOLIO_QUANT_AVX2 1
+
+// 8 lanes of sum(u[4l..4l+3] * s[4l..4l+3]) added to acc: u unsigned, s signed bytes,
+// with every pair sum within int16 (vpmaddubsw saturates).
+inline __m256i dot4_avx2(__m256i acc, __m256i u, __m256i s) {
+  const __m256i pairs = _mm256_maddubs_epi16(u, s);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+// Rows 8h .. 8h+7 of the group (bytes 32h .. 32h+31 of every chunk).
+template <int64_t Fmt, int MR>
+inline void tile_avx2_half(const uint8_t* qs, const c10::Half* sc, int64_t B,
+                           const QuantizedRows& xr, int64_t m0, int h, float* out) {
+  constexpr int S = scale_count(Fmt);
+  const int64_t K = B * kBlock;
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    __m256i w[8];
+    const uint8_t* q = qs + b * qs_bytes(Fmt) + 32 * h;
+    if constexpr (is_q4(Fmt)) {
+      const __m256i low4 = _mm256_set1_epi8(15);
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c));
+        w[2 * c] = _mm256_and_si256(v, low4);
+        w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+      }
+    } else {  // back to signed q: products up to 255 * 127 would saturate int16 pairs
+      for (int c = 0; c < 8; ++c)
+        w[c] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c)),
+                                _mm256_set1_epi8(static_cast<char>(0x80)));
+    }
+    const c10::Half* s = sc + b * S + 8 * h;
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+    __m256 mins = _mm256_setzero_ps();
+    if constexpr (Fmt == kQ4_1)
+      mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16)));
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = m0 + r, i = row * B + b;
+      const int8_t* x = xr.q.data() + row * K + b * kBlock;
+      __m256i p = _mm256_setzero_si256();
+      for (int k = 0; k < 8; ++k) {
+        const __m256i xb = _mm256_set1_epi32(word_at(x + 4 * k));
+        if constexpr (is_q4(Fmt)) {
+          p = dot4_avx2(p, w[k], xb);
+        } else {  // sign trick: |q| * (x with q's sign) = q * x, pairs within int16
+          p = dot4_avx2(p, _mm256_abs_epi8(w[k]), _mm256_sign_epi8(xb, w[k]));
+        }
+      }
+      if constexpr (Fmt == kQ4_0)
+        p = _mm256_sub_epi32(p, _mm256_set1_epi32(offset_of(Fmt) * xr.sum[i]));
+      const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xr.scale[i]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r]);
+      if constexpr (Fmt == kQ4_1)
+        acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(xr.msum[i]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * kGroupRows + 8 * h, acc[r]);
+}
+
+template <int64_t Fmt, int MR>
+inline void tile_avx2(const uint8_t* qs, const c10::Half* sc, int64_t B,
+                      const QuantizedRows& xr, int64_t m0, float* out) {
+  tile_avx2_half<Fmt, MR>(qs, sc, B, xr, m0, 0, out);
+  tile_avx2_half<Fmt, MR>(qs, sc, B, xr, m0, 1, out);
+}
+#endif
+
+// The stored unsigned value of row j, k-th element of block b's chunk data.
+template <int64_t Fmt>
+inline int32_t stored_at(const uint8_t* q, int j, int k) {
+  if constexpr (is_q4(Fmt)) {
+    const uint8_t byte = q[64 * (k / 8) + 4 * j + k % 4];
+    return (k % 8) < 4 ? byte & 15 : byte >> 4;
+  } else {
+    return q[64 * (k / 4) + 4 * j + k % 4];
+  }
+}
+
+template <int64_t Fmt, int MR>
+inline void tile_scalar(const uint8_t* qs, const c10::Half* sc, int64_t B,
+                        const QuantizedRows& xr, int64_t m0, float* out) {
+  constexpr int S = scale_count(Fmt);
+  const int64_t K = B * kBlock;
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < kGroupRows; ++j) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t row = m0 + r, i = row * B + b;
+        const uint8_t* q = qs + b * qs_bytes(Fmt);
+        const int8_t* x = xr.q.data() + row * K + b * kBlock;
+        int32_t p = 0;
+        for (int k = 0; k < kBlock; ++k) p += stored_at<Fmt>(q, j, k) * x[k];
+        p -= offset_of(Fmt) * xr.sum[i];
+        const float d = static_cast<float>(sc[b * S + j]);
+        acc = std::fma(static_cast<float>(p), d * xr.scale[i], acc);
+        if constexpr (Fmt == kQ4_1)
+          acc = std::fma(static_cast<float>(sc[b * S + 16 + j]), xr.msum[i], acc);
+      }
+      out[r * kGroupRows + j] = acc;
+    }
+}
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+// Widening: each 32-bit lane of a chunk holds 4 (Q8) or 8 (Q4) k of one row; shifting
+// and masking gives one k of all 16 rows, widened to float as d * u + bias, where the
+// bias (-8d, m, or -128d) undoes the format's offset. x is float32 [rows][ldx].
+template <int64_t Fmt, int MR>
+inline void tile_widen(const uint8_t* qs, const c10::Half* sc, int64_t B, const float* x,
+                       int64_t ldx, int64_t m0, float* out) {
+  constexpr int S = scale_count(Fmt);
+  v16f acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = v16f{};
+  for (int64_t b = 0; b < B; ++b) {
+    alignas(64) float df[16], mf[16];
+    halves_to_float(sc + b * S, df);
+    if constexpr (Fmt == kQ4_1) halves_to_float(sc + b * S + 16, mf);
+    v16f d, mn;
+    std::memcpy(&d, df, sizeof d);
+    if constexpr (Fmt == kQ4_1) std::memcpy(&mn, mf, sizeof mn);
+    else mn = d * -static_cast<float>(offset_of(Fmt));
+    const uint8_t* q = qs + b * qs_bytes(Fmt);
+    const float* xb = x + m0 * ldx + b * kBlock;
+    constexpr int per_chunk = is_q4(Fmt) ? 8 : 4;
+    for (int c = 0; c < kBlock / per_chunk; ++c) {
+      v16u v;
+      std::memcpy(&v, q + 64 * c, sizeof v);
+#pragma GCC unroll 8
+      for (int t = 0; t < per_chunk; ++t) {
+        const int shift = is_q4(Fmt) ? 8 * (t % 4) + 4 * (t / 4) : 8 * t;
+        const v16u u = (v >> shift) & (is_q4(Fmt) ? 15u : 255u);
+        const v16f wk = __builtin_convertvector(__builtin_convertvector(u, v16i), v16f) * d + mn;
+        for (int r = 0; r < MR; ++r) acc[r] += wk * xb[r * ldx + per_chunk * c + t];
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) std::memcpy(out + r * kGroupRows, &acc[r], sizeof acc[r]);
+}
+
+}  // namespace folio::quant

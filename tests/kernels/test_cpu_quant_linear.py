@@ -1,0 +1,197 @@
+"""The quantized linear kernel (``torch.ops.folio.quant_linear``) against torch references.
+
+Two references, both float64, and two tolerances:
+
+* exact: ``reference()`` computes with x quantized exactly as the int8 routes do (per
+  block of 32, scale max|x|/127, round half to even), so the kernel differs from it only
+  by float32 rounding: the integer dot products are exact, and per block a product
+  ``d * xd``, the min term (Q4_1) and two fused multiply-adds round. The sum over B
+  blocks is within (B + 4) * eps32 of the sum of the terms' magnitudes (the standard
+  bound for a sequential float sum), with each term bounded by |x| |d (q - offset)| and
+  |x| |m|.
+* dequantised: ``x @ dequantize(W).T``, the model's weights as llama.cpp and
+  transformers dequantise them. The int8 routes move each activation by at most half a
+  quantization step (max|x| of its block / 254), so the difference is at most
+  ``activation_rounding_bound`` (sum over blocks of that step times sum |w| of the
+  block), plus the float32 term above. The widening route keeps x in float32: float32
+  rounding only.
+"""
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
+
+from kernels import cpu_extension
+from kernels import quant_linear as ql
+
+if os.environ.get(cpu_extension.DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no"):
+    pytest.skip(f"{cpu_extension.DISABLE_ENV} is set", allow_module_level=True)
+
+EPS32 = torch.finfo(torch.float32).eps
+GGML = {ql.Q4_0: T.Q4_0, ql.Q4_1: T.Q4_1, ql.Q8_0: T.Q8_0}
+# SmolLM2's layers: fused q/k/v, o, fused gate/up, down (Q4_1 in the GGUF), LM head (Q8_0)
+MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    assert cpu_extension.is_available(), cpu_extension.unavailable_reason()
+    return cpu_extension.require()
+
+
+def random_blocks(n: int, k: int, fmt: int, seed: int) -> torch.Tensor:
+    """GGUF bytes [n, k/32 * block] of random quants and plausible fp16 scales."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n, k // 32, ql._GGUF_BLOCK_BYTES[fmt]), generator=g,
+                           dtype=torch.uint8)
+    scales = (torch.rand(n, k // 32, 2, generator=g) * 0.02 + 1e-3).half()
+    if fmt == ql.Q4_1:
+        scales[..., 1] = -8 * scales[..., 0]  # m: centre the values like real weights
+    count = 2 if fmt == ql.Q4_1 else 1
+    blocks[..., :2 * count] = scales[..., :count].contiguous().view(torch.uint8)
+    return blocks.reshape(n, -1)
+
+
+@pytest.mark.parametrize("fmt", [ql.Q4_0, ql.Q4_1, ql.Q8_0])
+@pytest.mark.parametrize("n", [16, 40, 96])
+def test_packing_keeps_gguf_values_bit_for_bit(fmt, n):
+    w = np.random.default_rng(n).standard_normal((n, 96)).astype(np.float32)
+    raw = gguf_quantize(w, GGML[fmt])
+    expected = torch.from_numpy(gguf_dequantize(raw, GGML[fmt]))
+    packed = ql.pack_gguf_blocks(torch.from_numpy(raw), fmt, 96)
+    assert packed.nbytes == -(-n // 16) * 16 * raw.shape[1]  # GGUF's bytes, rows padded to 16
+    assert torch.equal(ql.dequantize(packed), expected)
+    rows = torch.tensor([n - 1, 0, 17 % n, 5])
+    assert torch.equal(ql.dequantize(packed, rows), expected[rows])
+
+
+def float32_error(x, packed, w_abs):
+    """(B + 4) eps32 times the sum of the magnitudes of the terms, [M, n] (float32 is
+    plenty for a bound): |x^| |d (q - offset)| <= |x^| (|w| + |m|) per weight and
+    |x^| |m| for the min, with |x^| <= |x| + a half step covering either route's x."""
+    xb = x.float().abs().reshape(x.shape[0], -1, 32)
+    seen = (xb + xb.amax(dim=-1, keepdim=True) / 254).reshape(x.shape)
+    magnitude = seen @ w_abs.t()
+    if packed.fmt == ql.Q4_1:
+        m = packed.scales[:, :, 16:].float().permute(0, 2, 1).reshape(-1, packed.k // 32)
+        magnitude += 2 * xb.sum(dim=-1) @ m[:packed.n].abs().t()
+    return (packed.k // 32 + 4) * EPS32 * magnitude.double() + 1e-6
+
+
+def check_route(ops, x, packed, route, expected, within, bias=None):
+    out = ops.quant_linear(x, packed.qs, packed.scales, packed.fmt, packed.n, bias, route)
+    assert out.shape == (x.shape[0], packed.n) and out.dtype == x.dtype
+    assert ((out.double() - expected).abs() <= within).all()
+
+
+def dequantised_weights(packed):
+    """The weight as float64 and its magnitudes as float32 (the bounds' operand)."""
+    w = ql.dequantize(packed)
+    return w.double(), w.abs()
+
+
+def check_all_routes(ops, x, packed, bias=None, skip_scalar=False, weights=None):
+    """Each built route against the exact and the dequantised references."""
+    w, w_abs = weights or dequantised_weights(packed)
+    error = float32_error(x, packed, w_abs)
+    dequantised = ql.reference(x, packed, bias, ql.WIDEN, w)
+    as_int8 = ql.reference(x, packed, bias, ql.BEST_INT8, w)
+    rounding = ql.activation_rounding_bound(x, packed, w_abs)
+    for route in ql.routes_available():
+        if route == ql.SCALAR and skip_scalar:
+            continue
+        if route == ql.WIDEN:
+            check_route(ops, x, packed, route, dequantised, error, bias)
+        else:
+            check_route(ops, x, packed, route, as_int8, error, bias)
+            check_route(ops, x, packed, route, dequantised, rounding + error, bias)
+
+
+@pytest.mark.parametrize("fmt", [ql.Q4_1, ql.Q8_0])
+@pytest.mark.parametrize("n,k", MODEL_SHAPES)
+def test_every_model_shape_and_route_within_the_formats_rounding(ops, fmt, n, k):
+    packed = ql.pack_gguf_blocks(random_blocks(n, k, fmt, n + k), fmt, k)
+    weights = dequantised_weights(packed)
+    g = torch.Generator().manual_seed(k)
+    for rows in (1, 4, 32, 64):
+        # plain C++ runs the small cases only (the same arithmetic, far slower)
+        check_all_routes(ops, torch.randn(rows, k, generator=g), packed,
+                         skip_scalar=rows * n > 4 * 3072, weights=weights)
+
+
+@pytest.mark.parametrize("fmt", [ql.Q4_0, ql.Q4_1, ql.Q8_0])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 21])
+def test_row_tails_bias_and_partial_row_groups(ops, fmt, rows):
+    n, k = 40, 128  # 2.5 row groups: the last one padded
+    packed = ql.pack_gguf_blocks(random_blocks(n, k, fmt, rows), fmt, k)
+    g = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    check_all_routes(ops, x, packed, bias)
+
+
+def test_routes_built_and_the_default_is_the_fastest_built(ops):
+    routes = ql.routes_available()
+    assert ql.SCALAR in routes and ql.WIDEN in routes
+    flags = cpu_extension.cpu_flags().split()
+    assert (ql.VNNI512 in routes) == ({"avx512_vnni", "avx512bw"} <= set(flags))
+    assert (ql.AVX2 in routes) == ("avx2" in flags)
+    packed = ql.pack_gguf_blocks(random_blocks(32, 64, ql.Q4_1, 0), ql.Q4_1, 64)
+    x = torch.randn(5, 64)
+    best = ops.quant_linear(x, packed.qs, packed.scales, ql.Q4_1, 32, None, ql.BEST_INT8)
+    assert torch.equal(best, ops.quant_linear(x, packed.qs, packed.scales, ql.Q4_1, 32,
+                                              None, routes[0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_activations_round_the_output_once(ops, dtype):
+    packed = ql.pack_gguf_blocks(random_blocks(48, 64, ql.Q8_0, 3), ql.Q8_0, 64)
+    x = torch.randn(6, 64).to(dtype)
+    out = ql.quant_linear(x.view(2, 3, 64), packed)
+    assert out.shape == (2, 3, 48) and out.dtype == dtype
+    exact = ql.reference(x, packed)
+    assert ((out.reshape(6, 48).double() - exact).abs()
+            <= torch.finfo(dtype).eps * exact.abs() + 1e-4).all()
+
+
+def test_rows_of_a_batch_do_not_change_each_other(ops):
+    packed = ql.pack_gguf_blocks(random_blocks(64, 256, ql.Q4_1, 9), ql.Q4_1, 256)
+    x = torch.randn(19, 256)
+    together = ql.quant_linear(x, packed)
+    alone = torch.cat([ql.quant_linear(x[i:i + 1], packed) for i in range(19)])
+    assert torch.equal(together, alone)  # batch-invariant: same sums in the same order
+
+
+def test_int8_per_channel_rounds_each_weight_by_at_most_half_a_step():
+    w = torch.randn(40, 96) * torch.linspace(0.1, 3, 40)[:, None]
+    packed = ql.int8_per_channel(w)
+    assert packed.fmt == ql.Q8_0 and packed.shape == (40, 96)
+    step = packed.scales[:, :, :16].float().permute(0, 2, 1).reshape(-1, 3)[:40, :1]
+    assert ((ql.dequantize(packed) - w).abs() <= step / 2 + 1e-6).all()
+
+
+def test_bad_operands_are_refused(ops):
+    p = ql.pack_gguf_blocks(random_blocks(32, 64, ql.Q4_1, 1), ql.Q4_1, 64)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="format"):
+        ops.quant_linear(x, p.qs, p.scales, 7, 32, None, 0)
+    with pytest.raises(RuntimeError, match=r"\[M, K\]"):
+        ops.quant_linear(torch.randn(2, 96), p.qs, p.scales, ql.Q4_1, 32, None, 0)
+    with pytest.raises(RuntimeError, match="groups"):
+        ops.quant_linear(x, p.qs, p.scales, ql.Q4_1, 33, None, 0)
+    with pytest.raises(RuntimeError, match="route"):
+        ops.quant_linear(x, p.qs, p.scales, ql.Q4_1, 32, None, 9)
+
+
+@pytest.mark.parametrize("fmt", [ql.Q4_0, ql.Q4_1, ql.Q8_0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_dequantize_equals_the_reference(ops, fmt, dtype):
+    packed = ql.pack_gguf_blocks(random_blocks(40, 96, fmt, 5), fmt, 96)
+    expected = ql.dequantize(packed).to(dtype)
+    assert torch.equal(ql.weight_rows(packed, None, dtype), expected)
+    rows = torch.tensor([[39, 0], [16, 17]])
+    assert torch.equal(ql.weight_rows(packed, rows, dtype), expected[rows.view(-1)])
+    with pytest.raises(RuntimeError, match="out of range"):
+        ql.weight_rows(packed, torch.tensor([40]))

@@ -1,0 +1,108 @@
+"""The ways one linear layer can run, and a per-layer choice among them by row count.
+
+A path computes ``x @ W.T (+ bias)`` for a weight held as a tensor (float32, bf16,
+fp16) or block-quantized (a ``PackedWeight``, kernels/quant_linear.py):
+
+* ``native``: torch's ``F.linear`` on the weight as held (a quantized weight is
+  dequantised per call first, which only pays off at many rows, if ever);
+* ``kernel``: Folio's 16-bit kernel (``half_linear``: bf16/fp16 weights read once,
+  float32 arithmetic);
+* ``widen``: float32 arithmetic on weights widened per call (16-bit), or in registers
+  by the quantized kernel (quantized);
+* ``int8``: the quantized kernel's integer route (activations quantized per block).
+
+Which one is fastest depends on the CPU (bf16/VNNI/AMX instructions, cache sizes), the
+weight's shape and the number of rows, so worker/linear_backend.py times them at load
+and gives each layer a :class:`LinearChoice`; :func:`path_for` is the fallback rule for
+a layer without one.
+
+``int8`` is the one path that computes another function: rounding each activation to
+1/127 of its block's largest moves a layer's output by 0.4-1% (relative, measured on the
+default model's real activations; llama.cpp's Q8_1 activations do the same). On the
+default model that flips greedy answers (the first token of "What is the capital of
+France?" is 0.08 logits from the runner-up), so it is ``LOSSY``: the measured choice
+never takes it, only ``worker.linear_backend: int8`` does.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kernels import cpu_extension
+from kernels.quant_linear import BEST_INT8, WIDEN as WIDEN_ROUTE, PackedWeight
+from kernels.quant_linear import quant_linear, weight_rows
+
+NATIVE, KERNEL, WIDEN, INT8 = "native", "kernel", "widen", "int8"
+PATHS = (NATIVE, KERNEL, WIDEN, INT8)
+LOSSY = frozenset({INT8})  # paths whose result is not x @ W.T to float rounding
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+# Row counts a choice is made for; a call takes the bucket nearest in log2 (upper
+# bounds 2, 8, 32, 128). Decode batches live in the first four, prefill chunks in the last.
+ROW_BUCKETS = (1, 4, 16, 64, 256)
+_BUCKET_BOUNDS = (2, 8, 32, 128)
+
+
+def bucket_index(rows: int) -> int:
+    """Index into ROW_BUCKETS of the bucket ``rows`` falls in."""
+    return bisect.bisect_left(_BUCKET_BOUNDS, rows)
+
+
+@dataclass(frozen=True, slots=True)
+class LinearChoice:
+    """The path a layer runs at each row bucket (``paths[i]`` for ROW_BUCKETS[i])."""
+
+    paths: tuple[str, ...]
+
+    @classmethod
+    def always(cls, path: str) -> "LinearChoice":
+        return cls((path,) * len(ROW_BUCKETS))
+
+    def path_for(self, rows: int) -> str:
+        return self.paths[bucket_index(rows)]
+
+
+def weight_kind(weight) -> str:
+    """What a weight is held as: a quantized format name or a dtype name."""
+    if isinstance(weight, PackedWeight):
+        return weight.format_name.lower()
+    return str(weight.dtype).removeprefix("torch.")
+
+
+def kernel_takes(weight) -> bool:
+    """Whether the native 16-bit kernel can run ``x @ weight.T``: row-major 16-bit
+    weight, out a multiple of 16 and in of 32, and the kernels built."""
+    return (isinstance(weight, torch.Tensor) and weight.dim() == 2
+            and weight.dtype in HALF_DTYPES and weight.stride(1) == 1
+            and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0
+            and cpu_extension.is_available())
+
+
+def candidates(weight, lossy: bool = True) -> tuple[str, ...]:
+    """The paths that can run this weight on this machine (the first is the default);
+    ``lossy=False`` leaves out the ``LOSSY`` ones (what the measured choice picks from)."""
+    if isinstance(weight, PackedWeight):
+        if not cpu_extension.is_available():
+            return (NATIVE,)
+        return (WIDEN, INT8, NATIVE) if lossy else (WIDEN, NATIVE)
+    if weight.dtype in HALF_DTYPES:
+        return (NATIVE, KERNEL, WIDEN) if kernel_takes(weight) else (NATIVE, WIDEN)
+    return (NATIVE,)
+
+
+def run_path(path: str, x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` in x's dtype through ``path`` (one of candidates())."""
+    if isinstance(weight, PackedWeight):
+        if path == NATIVE:
+            return F.linear(x, weight_rows(weight, None, x.dtype), bias)
+        return quant_linear(x, weight, bias, WIDEN_ROUTE if path == WIDEN else BEST_INT8)
+    if path == KERNEL:
+        ops = cpu_extension.require()
+        out = ops.half_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+    if path == WIDEN:
+        out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return out.to(x.dtype)
+    return F.linear(x, weight, bias)
