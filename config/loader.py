@@ -58,6 +58,7 @@ FLAT_ALIASES = {
     "speculative_disable_by_batch_size": "speculative.disable_by_batch_size",
     "tensor_parallel_size": "parallel.tensor_parallel_size",
     "distributed_backend": "parallel.distributed_backend",
+    "data_parallel_size": "parallel.data_parallel_size",
 }
 
 

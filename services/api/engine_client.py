@@ -6,6 +6,7 @@ import itertools
 import time
 from collections import deque
 
+from engine_core.kv_events import KVCacheEvents
 from engine_core.model_facts import ModelFacts
 from engine_core.sampling_params import SamplingParams
 from services.protocol import (HEALTH_MAX_AGE_S, AbortRequest, AddRequest, ConfigReloaded,
@@ -48,6 +49,7 @@ class EngineClient:
         self._reply_waiters: dict[str, asyncio.Future] = {}  # LoRA/control/config id → reply
         self._reply_ids = itertools.count()
         self.on_config = None  # called with each ConfigUpdate's JSON (live retune)
+        self.on_cache_events = None  # called with each KVCacheEvents (data parallelism)
         self.config_json: str | None = None  # the latest one
         self._reader: asyncio.Task | None = None
         self.model_facts: ModelFacts | None = None  # from the engine core's WorkerReady
@@ -58,6 +60,12 @@ class EngineClient:
         self.queue_state = QueueState(is_full=False)
         self._health: HealthSnapshot | None = None  # the engine core's latest snapshot
         self._health_at = 0.0  # when it arrived (monotonic)
+
+    num_replicas = 1  # EngineReplicas (engine_replicas.py) stands for several
+
+    def replica_of(self, req_id: str) -> int | None:
+        """Which data-parallel replica serves ``req_id``: None, there is only one."""
+        return None
 
     async def start(self, timeout: float = 300.0) -> ModelFacts:
         """Connect (retrying until ``timeout``) and read the engine's model limits."""
@@ -91,6 +99,9 @@ class EngineClient:
                 self.config_json = message.config_json
                 if self.on_config is not None:
                     self.on_config(message.config_json)
+            elif isinstance(message, KVCacheEvents):
+                if self.on_cache_events is not None:
+                    self.on_cache_events(message)
             elif isinstance(message, (LoRAReply, ControlReply, ConfigReloaded)):
                 waiter = self._reply_waiters.pop(message.request_id, None)
                 if waiter is not None and not waiter.done():
