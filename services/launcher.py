@@ -27,8 +27,8 @@ its replica down: the supervisor stops the replica's other process, says so, and
 serving on the others (the API processes route around it and /health reports it);
 the stack stops when no replica is left. SIGTERM and SIGINT drain.
 
-SIGHUP reloads the config (README, "Live retune"): it is passed to the engine core,
-the stack's one config authority (services/engine_core_service/config_reload.py), which
+SIGHUP reloads the config (README, "Live retune"): it is passed to the engine core
+(to each replica's, with data parallelism), the stack's config authority (services/engine_core_service/config_reload.py), which
 re-reads the YAML, applies its live keys in every process or refuses the whole change.
 The engine core also watches the file and answers POST /admin/reload_config.
 The socket folder `folio serve` made is removed on every exit path: by the supervisor,
@@ -46,59 +46,17 @@ import signal
 import socket
 import sys
 import tempfile
-import time
-from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from config.schema import FolioConfig
 from services.endpoints import api_admin_endpoint, engine_core_endpoint, worker_endpoint
 from services.entrypoint import (ENGINE_LOSS_GRACE_S, OWNED_SOCKET_DIR_ENV, SUPERVISOR_ENV,
                                  first_completed)
-from services.transport import Endpoint, probe_health
+from services.service_process import RestartBudget, ServiceDied, ServiceProcess
+from services.transport import probe_health
 
 STOP_GRACE_S = 10.0  # after SIGTERM, how long a child may take before SIGKILL
 HEALTH_POLL_S = 0.2
-RESTART_WINDOW_S = 60.0  # services.api_restart_budget counts restarts in this window
-
-
-class ServiceDied(RuntimeError):
-    """A supervised service exited when it should not have."""
-
-
-@dataclass(slots=True)
-class ServiceProcess:
-    """One child: its name, health endpoint, how to start it, and its process."""
-
-    name: str
-    health: Endpoint | None  # None: a tensor-parallel rank, healthy with rank 0
-    module: str
-    extra_args: tuple[str, ...] = ()
-    pass_fds: tuple[int, ...] = ()
-    process: asyncio.subprocess.Process | None = None
-    replica: int | None = None  # data parallelism: the replica it belongs to
-
-    @property
-    def is_api(self) -> bool:
-        return self.module == "services.api"
-
-
-@dataclass(slots=True)
-class RestartBudget:
-    """At most ``limit`` restarts in any ``window_s`` seconds."""
-
-    limit: int
-    window_s: float = RESTART_WINDOW_S
-    _times: deque = field(default_factory=deque)
-
-    def take(self) -> bool:
-        """Spend one restart now if the budget allows it."""
-        now = time.monotonic()
-        while self._times and now - self._times[0] > self.window_s:
-            self._times.popleft()
-        if len(self._times) >= self.limit:
-            return False
-        self._times.append(now)
-        return True
 
 
 class Launcher:
@@ -279,7 +237,8 @@ class Launcher:
                 await self._drain()
                 return 0
             self._say(f"API listening on {url} (model {self._model_name()}); "
-                      f"{self.config.services.num_api_servers} API process(es); "
+                      f"{self.config.services.num_api_servers} API process(es), "
+                      f"{self.config.parallel.data_parallel_size} engine replica(s); "
                       f"Ctrl-C drains and stops")
             return await self._supervise()
         finally:

@@ -50,6 +50,10 @@ class EngineClient:
         self._reply_ids = itertools.count()
         self.on_config = None  # called with each ConfigUpdate's JSON (live retune)
         self.on_cache_events = None  # called with each KVCacheEvents (data parallelism)
+        # Data parallelism: awaited with the requests that had no answer yet when the
+        # link closed; returns those it sent elsewhere (their queues stay open).
+        self.on_lost = None
+        self._answered: set[str] = set()  # requests with an output or a rejection
         self.config_json: str | None = None  # the latest one
         self._reader: asyncio.Task | None = None
         self.model_facts: ModelFacts | None = None  # from the engine core's WorkerReady
@@ -84,9 +88,11 @@ class EngineClient:
         async for message in messages:
             if isinstance(message, OutputDelta):
                 for out in message.outputs:
-                    queue = self._queues.get(out.parent_req_id or out.req_id)
+                    key = out.parent_req_id or out.req_id
+                    queue = self._queues.get(key)
                     if queue is not None:
                         queue.put_nowait(out)
+                        self._answered.add(key)
             elif isinstance(message, QueueState):
                 self.queue_state = message
             elif isinstance(message, HealthSnapshot):
@@ -95,6 +101,7 @@ class EngineClient:
                 queue = self._queues.get(message.req_id)
                 if queue is not None:
                     queue.put_nowait(message)
+                    self._answered.add(message.req_id)
             elif isinstance(message, ConfigUpdate):
                 self.config_json = message.config_json
                 if self.on_config is not None:
@@ -111,9 +118,13 @@ class EngineClient:
                 if not waiter.done():
                     waiter.set_result(message)
         self.alive = False
+        taken: set[str] = set()
+        if self.on_lost is not None:
+            taken = await self.on_lost([r for r in self._queues if r not in self._answered])
         self.dead.set()
-        for queue in self._queues.values():
-            queue.put_nowait(None)
+        for req_id, queue in self._queues.items():
+            if req_id not in taken:
+                queue.put_nowait(None)
         for waiter in [*(w for ws in self._waiters.values() for w in ws),
                        *self._reply_waiters.values()]:
             if not waiter.done():
@@ -122,13 +133,15 @@ class EngineClient:
     async def add(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                   traceparent: str | None = None, cache_salt: str | None = None,
                   tenant: str | None = None, tenant_weight: float = 1.0,
-                  lora_name: str | None = None) -> asyncio.Queue:
+                  lora_name: str | None = None,
+                  queue: asyncio.Queue | None = None) -> asyncio.Queue:
         """Send a request; ``cache_salt`` (the tenant's, from auth) keys its cache blocks,
         ``tenant`` and its weight are what the fair scheduler shares by, ``lora_name``
-        the adapter the client named (the engine core resolves it)."""
+        the adapter the client named (the engine core resolves it). ``queue``: answer
+        on this one (a request moved here from a replica that went away)."""
         if not self.alive:
             raise EngineDead("the engine core is not reachable")
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = queue if queue is not None else asyncio.Queue()
         self._queues[req_id] = queue
         await self._link.send(AddRequest(req_id, prompt_token_ids, params, self.client_id,
                                          time.time(), cache_salt=cache_salt,
@@ -193,6 +206,10 @@ class EngineClient:
 
     def forget(self, req_id: str) -> None:
         self._queues.pop(req_id, None)
+        self._answered.discard(req_id)
+
+    def queue_of(self, req_id: str) -> asyncio.Queue | None:
+        return self._queues.get(req_id)
 
     async def close(self) -> None:
         if self._link is not None:

@@ -45,6 +45,7 @@ class EngineReplicas:
         self.metrics_prefix = metrics_prefix
         self.router: ReplicaRouter | None = None  # made once the block size is known
         self._routes: dict[str, Route] = {}  # added req id → where it went
+        self._adds: dict[str, tuple] = {}  # added req id → its add() arguments
         self._on_config = None
         self.model_facts: ModelFacts | None = None
         self.dead = asyncio.Event()  # every replica is gone
@@ -65,6 +66,7 @@ class EngineReplicas:
         for i, client in enumerate(self.clients):
             client.on_cache_events = (lambda events, i=i:
                                       self.router.on_cache_events(i, events))
+            client.on_lost = lambda req_ids, i=i: self._move(i, req_ids)
             self._watchers.append(loop.create_task(self._watch(i, client)))
         return facts[0]
 
@@ -109,7 +111,14 @@ class EngineReplicas:
                   cache_salt: str | None = None, lora_name: str | None = None,
                   **fields) -> asyncio.Queue:
         """Route and send a request; a replica that fails the send is skipped."""
-        tried: set[int] = set()
+        args = (prompt_token_ids, params, traceparent, cache_salt, lora_name, fields)
+        queue = await self._send(req_id, args, tried=set())
+        self._adds[req_id] = args
+        return queue
+
+    async def _send(self, req_id: str, args: tuple, tried: set[int],
+                    queue: asyncio.Queue | None = None) -> asyncio.Queue:
+        prompt_token_ids, params, traceparent, cache_salt, lora_name, fields = args
         while True:
             candidates = [i for i in self._routable() if i not in tried]
             if not candidates:
@@ -118,13 +127,35 @@ class EngineReplicas:
             try:
                 queue = await self.clients[route.replica].add(
                     req_id, prompt_token_ids, params, traceparent, cache_salt=cache_salt,
-                    lora_name=lora_name, **fields)
+                    lora_name=lora_name, queue=queue, **fields)
             except (EngineDead, ConnectionError, RuntimeError):
                 self.router.finish(route)
                 tried.add(route.replica)
                 continue
             self._routes[req_id] = route
             return queue
+
+    async def _move(self, replica: int, req_ids: list[str]) -> set[str]:
+        """Replica ``replica``'s link closed: send its requests that had no answer yet
+        (the client has seen nothing of them) to the other replicas; returns those
+        moved. The others end with the engine-lost error."""
+        moved = set()
+        for req_id in req_ids:
+            route, args = self._routes.get(req_id), self._adds.get(req_id)
+            if route is None or args is None or route.replica != replica:
+                continue
+            self.router.finish(route)
+            try:
+                await self._send(req_id, args, {replica},
+                                 self.clients[replica].queue_of(req_id))
+            except EngineDead:
+                del self._routes[req_id]
+                continue
+            moved.add(req_id)
+        if moved:
+            log.warning("requests moved off a lost replica", replica=replica,
+                        num_moved=len(moved))
+        return moved
 
     def replica_of(self, req_id: str) -> int | None:
         route = self._routes.get(req_id)
@@ -148,6 +179,7 @@ class EngineReplicas:
             await self.clients[r].abort(ids)
 
     def forget(self, req_id: str) -> None:
+        self._adds.pop(req_id, None)
         route = self._routes.pop(req_id, None)
         if route is not None:
             self.clients[route.replica].forget(req_id)
