@@ -85,7 +85,7 @@ async def _drive(url: str, prompts: list[list[int]], model: str, max_tokens: int
 
 def run_policy(policy: str, args) -> dict:
     config = {"model": {"path": args.model, "tokenizer": args.tokenizer, "dtype": args.dtype,
-                        "max_model_len": 2048, "served_model_name": "bench"},
+                        "max_model_len": 1024, "served_model_name": "bench"},
               "memory": {"num_blocks": args.num_blocks},
               "worker": {"num_threads": args.threads},
               "parallel": {"data_parallel_size": 2, "routing": policy},

@@ -94,3 +94,24 @@ def test_merged_metrics_label_each_replica_and_sum_or_average_them():
     assert [samples[("folio:replica_up", str(i))] for i in range(3)] == [1, 0, 1]
     assert ("folio:prompt_tokens_total", "1") not in samples
     assert "# HELP folio:prompt_tokens_total Prompt \\\\ tokens" in text
+
+
+def test_the_request_span_names_the_replica_of_each_prompt():
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from engine_core.sampling_params import SamplingParams
+    from services.api.request_trace import RequestTrace
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    spans = []
+    for replicas in ([1], [0, 0], [0, 1], [None]):
+        trace = RequestTrace(provider.get_tracer("t"), "text_completion", "m", "r", None,
+                             SamplingParams())
+        for r in replicas:
+            trace.on_replica(r)
+        trace.finish()
+    spans = [s.attributes.get("folio.replica") for s in exporter.get_finished_spans()]
+    assert spans == [1, 0, (0, 1), None]

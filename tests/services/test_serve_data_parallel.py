@@ -89,6 +89,7 @@ def test_prefix_aware_routing_computes_fewer_prompt_tokens(start_stack):
     for r in ("0", "1"):  # each replica is shown alone too, and both took requests
         assert total(m, "prompt_tokens_total", r) > 0
         assert m[f'folio:replica_up{{replica="{r}"}}'] == 1.0
+    print(f"prompt tokens computed: prefix_aware {aware:.0f}, round_robin {rr:.0f}")
     assert aware_out == rr_out  # greedy: the route never changes the tokens
     assert rr / aware >= 1.8, (rr, aware)
 
