@@ -207,7 +207,12 @@ def _build(tree: dict[str, dict[str, tuple[Any, str]]]) -> FolioConfig:
         except ConfigError as e:
             sources = sorted({src for _, src in entries.values()})
             raise ConfigError(f"{e} (in {', '.join(sources)})", e.key) from None
-    return FolioConfig(**sections)
+    try:  # checks across sections
+        return FolioConfig(**sections)
+    except ConfigError as e:
+        sources = sorted({src for entries in tree.values() if isinstance(entries, dict)
+                          for _, src in entries.values()})
+        raise ConfigError(f"{e} (in {', '.join(sources)})", e.key) from None
 
 
 def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None,
