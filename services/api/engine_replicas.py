@@ -244,8 +244,10 @@ class EngineReplicas:
         """"list": one replica's answer (each holds the same adapters); "load" and
         "unload": every replica, the first failure if any failed."""
         if kind == "list":
-            return await self.clients[self._routable()[0] if self._routable() else 0].lora(
-                kind, timeout=timeout)
+            serving = self._routable()
+            if not serving:
+                raise EngineDead("no engine replica is reachable")
+            return await self.clients[serving[0]].lora(kind, timeout=timeout)
         replies = await self._each(lambda c: c.lora(kind, lora_name, lora_path, timeout))
         return next((r for r in replies if not r.ok), replies[0])
 

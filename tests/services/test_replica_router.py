@@ -115,3 +115,9 @@ def test_the_request_span_names_the_replica_of_each_prompt():
         trace.finish()
     spans = [s.attributes.get("folio.replica") for s in exporter.get_finished_spans()]
     assert spans == [1, 0, (0, 1), None]
+
+
+def test_cache_events_cross_the_wire_as_bytes():
+    from services.protocol import decode, encode
+    events = KVCacheEvents([b"\x00" * 32, b"\xff" * 16], [b"x"], is_cleared=True)
+    assert decode(encode(events)) == events
