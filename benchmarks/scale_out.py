@@ -1,4 +1,12 @@
-"""Tensor parallelism's step times: the same greedy workload at tensor_parallel_size 1
+"""Scale-out figures: data-parallel routing policies side by side, and tensor
+parallelism's step times.
+
+Data parallelism (benchmarks/dp_routing.py): `folio serve` with data_parallel_size 2
+under each routing policy in turn, a shared-prefix workload (8 prefixes of 1,000
+tokens, 64 requests); prompt tokens computed (from /metrics), time, throughput, and
+whether every policy gave the same greedy texts.
+
+Tensor parallelism: the same greedy workload at tensor_parallel_size 1
 and 2 (gloo on the CPU, or NCCL where each rank has a GPU), timed per engine step.
 
 Workload (fixed seed): 8 requests, random prompts of 64-192 tokens, 32 tokens each,
@@ -6,14 +14,16 @@ ignore_eos. Reported per size: median prefill-bearing step and median decode-onl
 (wall clock around ModelRunner.execute_model on rank 0, collectives included), and whether the
 tokens equal size 1's. On a 2-core CPU two ranks are slower than one: every layer adds
 two all-reduces and the ranks share the cores; TP is for models that do not fit one
-device. Data-parallel routing figures are not measured: replicas are not built yet.
+device.
 
     .venv/bin/python benchmarks/scale_out.py --model default --dtype float32
+    .venv/bin/python benchmarks/scale_out.py --parts dp --policies prefix_aware,round_robin
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -67,21 +77,49 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sizes", default="1,2")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--parts", default="dp,tp", help="dp (routing policies), tp "
+                        "(step times), or both")
+    parser.add_argument("--policies", default="prefix_aware,round_robin,least_loaded")
+    parser.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per replica")
+    parser.add_argument("--concurrency", type=int, default=64,
+                        help="DP: requests in flight at most after the first 8")
     args = parser.parse_args()
-    results = [run(int(s), args) for s in args.sizes.split(",")]
     cpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model = next((line.split(":", 1)[1].strip() for line in cpu.splitlines()
                   if line.startswith("Model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in cpu.splitlines()
+                  if line.startswith("Flags")), [])
+    report = {"cpu": model, "num_cpus": os.cpu_count(),
+              "cpu_flags": [f for f in flags if f.startswith(("avx", "amx"))],
+              "model": args.model, "dtype": args.dtype, "threads": args.threads}
+    print(f"cpu: {model} ({os.cpu_count()} cpus; {' '.join(report['cpu_flags'])}); "
+          f"model {args.model} {args.dtype}; {args.threads} thread(s) per process")
+    if "dp" in args.parts.split(","):
+        from benchmarks.dp_routing import run_all
+        report["data_parallel"] = dp = run_all(args)
+        for r in dp:
+            print(f"DP=2 {r['routing']:>12}: prompt tokens computed "
+                  f"{r['prompt_tokens_computed']} of {r['prompt_tokens']} "
+                  f"(per replica {r['prompt_tokens_computed_per_replica']}; round_robin/this "
+                  f"{r.get('round_robin_computed_over_this')}), {r['seconds']} s, "
+                  f"{r['requests_per_s']} req/s, {r['output_tokens_per_s']} tok/s, same "
+                  f"texts: {r['same_texts_as_' + dp[0]['routing']]}")
+    if "tp" in args.parts.split(","):
+        report["tensor_parallel"] = _tp(args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+
+
+def _tp(args) -> list[dict]:
+    results = [run(int(s), args) for s in args.sizes.split(",")]
     base = results[0]["tokens"]
     for r in results:
         r["same_tokens_as_size_1"] = r.pop("tokens") == base
-    print(f"cpu: {model}; model {args.model} {args.dtype}; {args.threads} thread(s) per rank")
     for r in results:
         print(f"TP={r['tensor_parallel_size']}: prefill step {r['median_prefill_step_ms']} ms, "
               f"decode step {r['median_decode_step_ms']} ms (8 requests), "
               f"{r['num_steps']} steps, same tokens as TP=1: {r['same_tokens_as_size_1']}")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": model, "results": results}, indent=2))
+    return results
 
 
 if __name__ == "__main__":

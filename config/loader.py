@@ -59,6 +59,7 @@ FLAT_ALIASES = {
     "speculative_disable_by_batch_size": "speculative.disable_by_batch_size",
     "tensor_parallel_size": "parallel.tensor_parallel_size",
     "distributed_backend": "parallel.distributed_backend",
+    "data_parallel_size": "parallel.data_parallel_size",
 }
 
 
@@ -207,7 +208,12 @@ def _build(tree: dict[str, dict[str, tuple[Any, str]]]) -> FolioConfig:
         except ConfigError as e:
             sources = sorted({src for _, src in entries.values()})
             raise ConfigError(f"{e} (in {', '.join(sources)})", e.key) from None
-    return FolioConfig(**sections)
+    try:  # checks across sections
+        return FolioConfig(**sections)
+    except ConfigError as e:
+        sources = sorted({src for entries in tree.values() if isinstance(entries, dict)
+                          for _, src in entries.values()})
+        raise ConfigError(f"{e} (in {', '.join(sources)})", e.key) from None
 
 
 def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | None = None,

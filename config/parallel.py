@@ -1,9 +1,6 @@
 """The ``parallel`` section: tensor parallelism over torch.distributed (README,
-"Tensor parallelism").
-
-Data-parallel engine replicas (``data_parallel_size``, ``routing``) are not built yet;
-the section leaves those keys out, so a YAML that sets them is refused as an unknown key.
-"""
+"Tensor parallelism") and data-parallel engine replicas behind the API (README, "Data
+parallelism")."""
 from __future__ import annotations
 
 import socket
@@ -12,6 +9,7 @@ from dataclasses import dataclass, replace
 from config.fields import _check, _f
 
 DISTRIBUTED_BACKENDS = ("auto", "gloo", "nccl")
+ROUTING_POLICIES = ("prefix_aware", "round_robin", "least_loaded")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +26,15 @@ class ParallelConfig:
     master_port: int = _f(0, "rendezvous port (MASTER_PORT); 0: `folio serve` and the "
                           "offline LLM pick a free one (single host only; set it when "
                           "ranks run on other hosts)")
+    data_parallel_size: int = _f(1, "engine replicas (an engine core and its worker each, "
+                                 "each with its own KV pool) behind the API processes")
+    routing: str = _f("prefix_aware", "how the API picks a replica for a request: "
+                      "prefix_aware (the replica caching the longest prefix of its blocks, "
+                      "load breaking ties), round_robin or least_loaded")
+    routing_max_imbalance: int = _f(16, "prefix_aware: when the best-prefix replica has "
+                                    "more than this many more of this API process's "
+                                    "requests in flight than the least loaded one, the "
+                                    "least loaded one gets the request")
 
     def __post_init__(self):
         _check(self.tensor_parallel_size >= 1, "parallel.tensor_parallel_size",
@@ -38,6 +45,15 @@ class ParallelConfig:
         _check(0 <= self.master_port <= 65535, "parallel.master_port",
                f"must be a port number (0: pick one), got {self.master_port}")
         _check(bool(self.master_addr), "parallel.master_addr", "must not be empty")
+        _check(1 <= self.data_parallel_size <= 64, "parallel.data_parallel_size",
+               f"must be in 1..64, got {self.data_parallel_size}")
+        _check(self.routing in ROUTING_POLICIES, "parallel.routing",
+               f"must be one of {ROUTING_POLICIES}, got {self.routing!r}")
+        _check(self.routing_max_imbalance >= 0, "parallel.routing_max_imbalance",
+               f"must be non-negative, got {self.routing_max_imbalance}")
+        _check(self.data_parallel_size == 1 or self.tensor_parallel_size == 1,
+               "parallel.data_parallel_size", "data parallelism with tensor_parallel_size "
+               "> 1 is not supported yet: set one of them to 1")
 
     @property
     def is_enabled(self) -> bool:

@@ -235,3 +235,11 @@ class FolioConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self):
+        # each replica listens on its own unix socket; one host:port cannot name several
+        for key in ("engine_core_address", "worker_address"):
+            _check(self.parallel.data_parallel_size == 1
+                   or getattr(self.services, key) is None, f"services.{key}",
+                   "data_parallel_size > 1 needs unix sockets (services.socket_dir): one "
+                   "address cannot name every replica")

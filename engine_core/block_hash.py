@@ -62,6 +62,18 @@ def hash_block_tokens(hash_fn: HashFn, parent_hash: BlockHash | None,
     return hash_fn(head + body)
 
 
+def _extend_chain(hashes: list[BlockHash], tokens: Sequence[int], block_size: int,
+                  hash_fn: HashFn, extra_keys: bytes) -> int:
+    """Append to ``hashes`` the hashes of ``tokens``' full blocks past those it holds."""
+    num_full = len(tokens) // block_size
+    parent = hashes[-1] if hashes else None
+    for i in range(len(hashes), num_full):
+        parent = hash_block_tokens(hash_fn, parent, tokens[i * block_size:(i + 1) * block_size],
+                                   extra_keys)
+        hashes.append(parent)
+    return max(num_full, len(hashes))
+
+
 def extend_block_hashes(request: Request, block_size: int, hash_fn: HashFn) -> int:
     """Append the hashes of ``request``'s full blocks not hashed yet; returns the total.
 
@@ -69,14 +81,18 @@ def extend_block_hashes(request: Request, block_size: int, hash_fn: HashFn) -> i
     so ``request.block_hashes`` grows as outputs fill blocks and never changes.
     """
     hashes = request.block_hashes
-    tokens = request.all_token_ids
-    num_full = len(tokens) // block_size
-    if len(hashes) >= num_full:
+    if len(hashes) >= len(request.all_token_ids) // block_size:
         return len(hashes)
     extra = encode_extra_keys(request.lora_id, request.cache_salt) if not hashes else b""
-    parent = hashes[-1] if hashes else None
-    for i in range(len(hashes), num_full):
-        parent = hash_block_tokens(hash_fn, parent, tokens[i * block_size:(i + 1) * block_size],
-                                   extra)
-        hashes.append(parent)
-    return num_full
+    return _extend_chain(hashes, request.all_token_ids, block_size, hash_fn, extra)
+
+
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, hash_fn: HashFn,
+                        lora_id: int = 0, cache_salt: str | None = None) -> list[BlockHash]:
+    """The hashes of a prompt's full blocks, the very ones the engine core gives a
+    request with these keys (the API's prefix-aware routing looks them up in what each
+    replica reported caching)."""
+    hashes: list[BlockHash] = []
+    _extend_chain(hashes, token_ids, block_size, hash_fn,
+                  encode_extra_keys(lora_id, cache_salt))
+    return hashes

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from engine_core.block_hash import BlockHash
+from engine_core.kv_events import KVEventLog
 
 
 @dataclass(slots=True, eq=False)
@@ -114,6 +115,9 @@ class BlockPool:
         # Blocks with ref_cnt > 0, kept as references come and go so that a health
         # gauge never scans the pool (check_invariants recounts).
         self.num_referenced_blocks = 0
+        # Set by a data-parallel engine core: every hash registered or forgotten is
+        # logged for the API's prefix-aware routing (kv_events.py).
+        self.events: KVEventLog | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -182,6 +186,8 @@ class BlockPool:
             if block_hash not in self.cached_blocks:
                 block.block_hash = block_hash
                 self.cached_blocks[block_hash] = block
+                if self.events is not None:
+                    self.events.on_stored(block_hash)
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """The block registered under ``block_hash``, owned or cached-free."""
@@ -193,6 +199,8 @@ class BlockPool:
             return
         if self.cached_blocks.get(block.block_hash) is block:
             del self.cached_blocks[block.block_hash]
+            if self.events is not None:
+                self.events.on_removed(block.block_hash)
         block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
@@ -202,6 +210,8 @@ class BlockPool:
         for block in self.cached_blocks.values():
             block.block_hash = None
         self.cached_blocks.clear()
+        if self.events is not None:
+            self.events.on_cleared()
         return True
 
     def check_invariants(self) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from config.loader import config_to_dict, load_config
-from config.schema import FolioConfig
+from config.schema import ConfigError, FolioConfig
 from engine_core.sampling_params import InvalidRequestError, SamplingParams
 from folio.lora_request import LoRARequest
 from folio.rl_hooks import RLHooks
@@ -53,6 +53,10 @@ class LLM(RLHooks):
         configure_logging(obs.log_level, obs.log_format)
         log.debug("config resolved", config=config_to_dict(self.config))
         self._ranks = None  # tensor parallelism: ranks 1..n-1 run in child processes
+        if self.config.parallel.data_parallel_size > 1:  # replicas live behind the API
+            raise ConfigError("parallel.data_parallel_size: the offline LLM runs one engine; "
+                              "replicas are a `folio serve` feature",
+                              "parallel.data_parallel_size")
         if self.config.parallel.is_enabled:
             check_tp_supported(self.config)  # before any rank starts
             self.config = replace(self.config,

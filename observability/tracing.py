@@ -24,10 +24,12 @@ class Tracing:
     """One service's tracer provider (``tracer`` is None when tracing is off).
 
     ``settings`` merge the YAML with OpenTelemetry's standard environment (see otel_env).
+    ``replica``: the data-parallel replica this engine core or worker serves, a resource
+    attribute (``folio.replica``) of every span it exports.
     """
 
     def __init__(self, config: ObservabilityConfig, service: str,
-                 environ: Mapping[str, str] | None = None):
+                 environ: Mapping[str, str] | None = None, replica: int | None = None):
         self.config = config
         self.service = service
         self.settings = resolve(config, service, environ)
@@ -44,7 +46,9 @@ class Tracing:
         self._provider = TracerProvider(
             resource=Resource.create({**self.settings.resource_attributes,
                                       "service.name": self.settings.service_name,
-                                      "service.namespace": "folio"}),
+                                      "service.namespace": "folio",
+                                      **({} if replica is None
+                                         else {"folio.replica": replica})}),
             sampler=self._sampler)
         self._provider.add_span_processor(BatchSpanProcessor(_exporter(self.settings)))
         self.tracer = self._provider.get_tracer("folio")

@@ -85,6 +85,9 @@ def service_arguments(prog: str) -> argparse.ArgumentParser:
                         help="the YAML config (default: config/default.yaml)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="SECTION.KEY=VALUE", help="override one config key")
+    parser.add_argument("--replica", type=int, default=0,
+                        help="data-parallel replica served (engine core and worker; "
+                        "0..parallel.data_parallel_size-1, which picks the sockets)")
     return parser
 
 

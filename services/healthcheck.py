@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         services = load_config(args.config, parse_set_overrides(args.overrides)).services
-        endpoint = {"worker": lambda: worker_endpoint(services),
-                    "engine-core": lambda: engine_core_endpoint(services),
+        endpoint = {"worker": lambda: worker_endpoint(services, args.replica),
+                    "engine-core": lambda: engine_core_endpoint(services, args.replica),
                     "api": lambda: api_admin_endpoint(services, args.index)}[args.service]()
     except ConfigError as e:
         print(f"healthcheck: config error: {e}", file=sys.stderr)

@@ -5,6 +5,10 @@
                  ├─ python -m services.engine_core_service  (scheduler, step loop)
                  └─ python -m services.api  × num_api_servers (HTTP; one shared port)
 
+With ``parallel.data_parallel_size`` n > 1 the worker and the engine core come n
+times (``--replica r``: worker-r and engine-core-r, each pair with its own sockets and
+KV pool), and every API process links to all of them (services/api/engine_replicas.py).
+
 All children start at once (each retries its peer's socket), then the supervisor waits
 for each one's /health in dependency order. The API port is bound here and the
 listening socket handed to every API process (and kept, so that a restarted one gets
@@ -18,10 +22,13 @@ Supervision: an API process that exits or dies is restarted, within
 the budget the stack drains and stops. The engine core's, the worker's or any
 tensor-parallel rank's death stops the stack at once (they hold every request's state;
 a rank has no health endpoint: rank 0 is healthy only once every rank has loaded).
-SIGTERM and SIGINT drain.
+With data-parallel replicas, a replica's engine core or worker that dies takes only
+its replica down: the supervisor stops the replica's other process, says so, and keeps
+serving on the others (the API processes route around it and /health reports it);
+the stack stops when no replica is left. SIGTERM and SIGINT drain.
 
-SIGHUP reloads the config (README, "Live retune"): it is passed to the engine core,
-the stack's one config authority (services/engine_core_service/config_reload.py), which
+SIGHUP reloads the config (README, "Live retune"): it is passed to the engine core
+(to each replica's, with data parallelism), the stack's config authority (services/engine_core_service/config_reload.py), which
 re-reads the YAML, applies its live keys in every process or refuses the whole change.
 The engine core also watches the file and answers POST /admin/reload_config.
 The socket folder `folio serve` made is removed on every exit path: by the supervisor,
@@ -39,58 +46,17 @@ import signal
 import socket
 import sys
 import tempfile
-import time
-from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from config.schema import FolioConfig
 from services.endpoints import api_admin_endpoint, engine_core_endpoint, worker_endpoint
 from services.entrypoint import (ENGINE_LOSS_GRACE_S, OWNED_SOCKET_DIR_ENV, SUPERVISOR_ENV,
                                  first_completed)
-from services.transport import Endpoint, probe_health
+from services.service_process import RestartBudget, ServiceDied, ServiceProcess
+from services.transport import probe_health
 
 STOP_GRACE_S = 10.0  # after SIGTERM, how long a child may take before SIGKILL
 HEALTH_POLL_S = 0.2
-RESTART_WINDOW_S = 60.0  # services.api_restart_budget counts restarts in this window
-
-
-class ServiceDied(RuntimeError):
-    """A supervised service exited when it should not have."""
-
-
-@dataclass(slots=True)
-class ServiceProcess:
-    """One child: its name, health endpoint, how to start it, and its process."""
-
-    name: str
-    health: Endpoint | None  # None: a tensor-parallel rank, healthy with rank 0
-    module: str
-    extra_args: tuple[str, ...] = ()
-    pass_fds: tuple[int, ...] = ()
-    process: asyncio.subprocess.Process | None = None
-
-    @property
-    def is_api(self) -> bool:
-        return self.module == "services.api"
-
-
-@dataclass(slots=True)
-class RestartBudget:
-    """At most ``limit`` restarts in any ``window_s`` seconds."""
-
-    limit: int
-    window_s: float = RESTART_WINDOW_S
-    _times: deque = field(default_factory=deque)
-
-    def take(self) -> bool:
-        """Spend one restart now if the budget allows it."""
-        now = time.monotonic()
-        while self._times and now - self._times[0] > self.window_s:
-            self._times.popleft()
-        if len(self._times) >= self.limit:
-            return False
-        self._times.append(now)
-        return True
 
 
 class Launcher:
@@ -165,14 +131,7 @@ class Launcher:
         # kept open until the end: a restarted API process gets the same socket
         self._api_sock = api_sock = self._bind_api_socket()
         host, port = api_sock.getsockname()[:2]
-        await self._spawn(ServiceProcess("worker", worker_endpoint(services),
-                                         "services.worker_service"))
-        for rank in range(1, self.config.parallel.tensor_parallel_size):
-            await self._spawn(ServiceProcess(f"worker-rank-{rank}", None,
-                                             "services.worker_service",
-                                             ("--rank", str(rank))))
-        await self._spawn(ServiceProcess("engine-core", engine_core_endpoint(services),
-                                         "services.engine_core_service"))
+        await self._spawn_replicas()
         fd = api_sock.fileno()
         for i in range(services.num_api_servers):
             await self._spawn(ServiceProcess(
@@ -182,6 +141,26 @@ class Launcher:
         for child in self.children:
             await self._wait_healthy(child, deadline)
         return f"http://{host}:{port}"
+
+    async def _spawn_replicas(self) -> None:
+        """Each replica's worker (with its tensor-parallel ranks) and engine core."""
+        services, parallel = self.config.services, self.config.parallel
+        num_replicas = parallel.data_parallel_size
+        for r in range(num_replicas):
+            tag = f"-{r}" if num_replicas > 1 else ""
+            args = ("--replica", str(r)) if num_replicas > 1 else ()
+            replica = r if num_replicas > 1 else None
+            await self._spawn(ServiceProcess(f"worker{tag}", worker_endpoint(services, r),
+                                             "services.worker_service", args,
+                                             replica=replica))
+            for rank in range(1, parallel.tensor_parallel_size):
+                await self._spawn(ServiceProcess(f"worker-rank-{rank}", None,
+                                                 "services.worker_service",
+                                                 ("--rank", str(rank))))
+            await self._spawn(ServiceProcess(f"engine-core{tag}",
+                                             engine_core_endpoint(services, r),
+                                             "services.engine_core_service", args,
+                                             replica=replica))
 
     async def _first_exit(self) -> ServiceProcess | None:
         futures, done = await first_completed(self._stop.wait(),
@@ -233,13 +212,15 @@ class Launcher:
         self._stop.set()
 
     def _forward_reload(self) -> None:
-        """SIGHUP: the engine core reloads the config (and logs what changed)."""
-        core = next((c for c in self.children if c.name == "engine-core"), None)
-        if core is None or core.process is None or core.process.returncode is not None:
+        """SIGHUP: each engine core reloads the config (and logs what changed)."""
+        cores = [c for c in self.children if c.module == "services.engine_core_service"
+                 and c.process is not None and c.process.returncode is None]
+        if not cores:
             self._say("SIGHUP: no engine core is running; nothing reloaded")
             return
         self._say("SIGHUP: reloading the config")
-        core.process.send_signal(signal.SIGHUP)
+        for core in cores:
+            core.process.send_signal(signal.SIGHUP)
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -256,7 +237,8 @@ class Launcher:
                 await self._drain()
                 return 0
             self._say(f"API listening on {url} (model {self._model_name()}); "
-                      f"{self.config.services.num_api_servers} API process(es); "
+                      f"{self.config.services.num_api_servers} API process(es), "
+                      f"{self.config.parallel.data_parallel_size} engine replica(s); "
                       f"Ctrl-C drains and stops")
             return await self._supervise()
         finally:
@@ -278,6 +260,8 @@ class Launcher:
                 self._say(f"{died.name} exited (status {status}); restarting it")
                 await self._spawn(died)
                 continue
+            if died.replica is not None and await self._lose_replica(died):
+                continue
             if died.is_api:
                 self._say(f"{died.name} exited (status {status}) and the restart budget "
                           f"(services.api_restart_budget) is spent; stopping")
@@ -286,6 +270,19 @@ class Launcher:
                           f"services")
             await self._stop_after_death(died)
             return 1
+
+    async def _lose_replica(self, died: ServiceProcess) -> bool:
+        """A data-parallel replica's process died: stop its partner and serve on the
+        other replicas (True), or False when it was the last replica."""
+        mates = [c for c in self.children if c.replica == died.replica]
+        left = {c.replica for c in self.children if c.replica not in (None, died.replica)}
+        if not left:
+            return False
+        self._say(f"{died.name} died (exit status {died.process.returncode}); replica "
+                  f"{died.replica} is down, serving on replica(s) {sorted(left)}")
+        await self._terminate(mates, STOP_GRACE_S)
+        self.children = [c for c in self.children if c not in mates]
+        return True
 
     def _model_name(self) -> str:
         from model_files.paths import served_model_name

@@ -14,6 +14,7 @@ from typing import Any
 
 import msgpack
 
+from engine_core.kv_events import KVCacheEvents  # engine core → API (data parallelism)
 from engine_core.lora_registry import LoRALoad, LoRALoadResult
 from engine_core.model_facts import ModelFacts
 from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
@@ -23,7 +24,7 @@ from services.control_protocol import (ControlReply, ControlRequest, WorkerContr
                                        WorkerControlOp)
 from services.wire_codec import ProtocolError, dataclass_from_plain, to_plain  # noqa: F401 (ProtocolError: re-exported)
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 # The health snapshot's contract between the engine core (publisher) and every API
 # process (reader): pushed at most every PUBLISH interval when it changed and at least
@@ -262,7 +263,7 @@ MESSAGE_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
     StageNewRequests, StepResult, WorkerReady, Health, HealthSnapshot, GetMetrics, Metrics,
     LoadLoRAAdapter, UnloadLoRAAdapter, ListLoRAAdapters, LoRAReply, ApplyLoRACommands,
     LoRALoadFinished, ControlRequest, ControlReply, WorkerControlOp, WorkerControlDone,
-    ReloadConfig, ConfigReloaded, ConfigUpdate, Shutdown)}
+    ReloadConfig, ConfigReloaded, ConfigUpdate, Shutdown, KVCacheEvents)}
 
 
 def encode(message: Any) -> bytes:

@@ -88,3 +88,16 @@ def test_tracing_built_from_the_environment_alone():
     finally:
         tracing.shutdown()
     assert not Tracing(OFF, "api", {}).enabled
+
+
+def test_a_data_parallel_replica_marks_every_span_it_exports():
+    from observability.tracing import Tracing
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9"}
+    tracing = Tracing(OFF, "engine-core", env, replica=1)
+    single = Tracing(OFF, "engine-core", env)
+    try:
+        assert tracing._provider.resource.attributes["folio.replica"] == 1
+        assert "folio.replica" not in single._provider.resource.attributes
+    finally:
+        tracing.shutdown()
+        single.shutdown()

@@ -211,8 +211,11 @@ class APIServer:
         if self.api_keys.enabled and not (self.api.public_health_detail
                                           or CACHE_SALT in request):
             return web.json_response({"status": status})
-        return web.json_response({"status": status, "engine": snapshot.detail,
-                                  "api": {"num_in_flight": self.admission.num_in_flight}})
+        body = {"status": status, "engine": snapshot.detail,
+                "api": {"num_in_flight": self.admission.num_in_flight}}
+        if self.engine.num_replicas > 1:  # data parallelism: each replica on its own too
+            body["replicas"] = self.engine.replica_report()
+        return web.json_response(body)
 
     async def metrics(self, request) -> web.Response:
         """Prometheus text: the engine core's metrics, the same from every API process,

@@ -98,4 +98,6 @@ class ControlRoutes:
         if len(args) > MAX_RPC_ARGS:
             raise bad(f"'args' holds at most {MAX_RPC_ARGS} values", "args")
         reply = await self._ask("collective_rpc", method=method, args=args)
-        return web.json_response({"results": [reply.result]})
+        # several replicas (engine_replicas.py) answer with one result each
+        results = reply.result if self.engine.num_replicas > 1 else [reply.result]
+        return web.json_response({"results": results})

@@ -6,6 +6,7 @@ import itertools
 import time
 from collections import deque
 
+from engine_core.kv_events import KVCacheEvents
 from engine_core.model_facts import ModelFacts
 from engine_core.sampling_params import SamplingParams
 from services.protocol import (HEALTH_MAX_AGE_S, AbortRequest, AddRequest, ConfigReloaded,
@@ -48,6 +49,11 @@ class EngineClient:
         self._reply_waiters: dict[str, asyncio.Future] = {}  # LoRA/control/config id → reply
         self._reply_ids = itertools.count()
         self.on_config = None  # called with each ConfigUpdate's JSON (live retune)
+        self.on_cache_events = None  # called with each KVCacheEvents (data parallelism)
+        # Data parallelism: awaited with the requests that had no answer yet when the
+        # link closed; returns those it sent elsewhere (their queues stay open).
+        self.on_lost = None
+        self._answered: set[str] = set()  # requests with an output or a rejection
         self.config_json: str | None = None  # the latest one
         self._reader: asyncio.Task | None = None
         self.model_facts: ModelFacts | None = None  # from the engine core's WorkerReady
@@ -58,6 +64,12 @@ class EngineClient:
         self.queue_state = QueueState(is_full=False)
         self._health: HealthSnapshot | None = None  # the engine core's latest snapshot
         self._health_at = 0.0  # when it arrived (monotonic)
+
+    num_replicas = 1  # EngineReplicas (engine_replicas.py) stands for several
+
+    def replica_of(self, req_id: str) -> int | None:
+        """Which data-parallel replica serves ``req_id``: None, there is only one."""
+        return None
 
     async def start(self, timeout: float = 300.0) -> ModelFacts:
         """Connect (retrying until ``timeout``) and read the engine's model limits."""
@@ -76,9 +88,11 @@ class EngineClient:
         async for message in messages:
             if isinstance(message, OutputDelta):
                 for out in message.outputs:
-                    queue = self._queues.get(out.parent_req_id or out.req_id)
+                    key = out.parent_req_id or out.req_id
+                    queue = self._queues.get(key)
                     if queue is not None:
                         queue.put_nowait(out)
+                        self._answered.add(key)
             elif isinstance(message, QueueState):
                 self.queue_state = message
             elif isinstance(message, HealthSnapshot):
@@ -87,10 +101,14 @@ class EngineClient:
                 queue = self._queues.get(message.req_id)
                 if queue is not None:
                     queue.put_nowait(message)
+                    self._answered.add(message.req_id)
             elif isinstance(message, ConfigUpdate):
                 self.config_json = message.config_json
                 if self.on_config is not None:
                     self.on_config(message.config_json)
+            elif isinstance(message, KVCacheEvents):
+                if self.on_cache_events is not None:
+                    self.on_cache_events(message)
             elif isinstance(message, (LoRAReply, ControlReply, ConfigReloaded)):
                 waiter = self._reply_waiters.pop(message.request_id, None)
                 if waiter is not None and not waiter.done():
@@ -100,9 +118,13 @@ class EngineClient:
                 if not waiter.done():
                     waiter.set_result(message)
         self.alive = False
+        taken: set[str] = set()
+        if self.on_lost is not None:
+            taken = await self.on_lost([r for r in self._queues if r not in self._answered])
         self.dead.set()
-        for queue in self._queues.values():
-            queue.put_nowait(None)
+        for req_id, queue in self._queues.items():
+            if req_id not in taken:
+                queue.put_nowait(None)
         for waiter in [*(w for ws in self._waiters.values() for w in ws),
                        *self._reply_waiters.values()]:
             if not waiter.done():
@@ -111,13 +133,15 @@ class EngineClient:
     async def add(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                   traceparent: str | None = None, cache_salt: str | None = None,
                   tenant: str | None = None, tenant_weight: float = 1.0,
-                  lora_name: str | None = None) -> asyncio.Queue:
+                  lora_name: str | None = None,
+                  queue: asyncio.Queue | None = None) -> asyncio.Queue:
         """Send a request; ``cache_salt`` (the tenant's, from auth) keys its cache blocks,
         ``tenant`` and its weight are what the fair scheduler shares by, ``lora_name``
-        the adapter the client named (the engine core resolves it)."""
+        the adapter the client named (the engine core resolves it). ``queue``: answer
+        on this one (a request moved here from a replica that went away)."""
         if not self.alive:
             raise EngineDead("the engine core is not reachable")
-        queue: asyncio.Queue = asyncio.Queue()
+        queue = queue if queue is not None else asyncio.Queue()
         self._queues[req_id] = queue
         await self._link.send(AddRequest(req_id, prompt_token_ids, params, self.client_id,
                                          time.time(), cache_salt=cache_salt,
@@ -182,6 +206,10 @@ class EngineClient:
 
     def forget(self, req_id: str) -> None:
         self._queues.pop(req_id, None)
+        self._answered.discard(req_id)
+
+    def queue_of(self, req_id: str) -> asyncio.Queue | None:
+        return self._queues.get(req_id)
 
     async def close(self) -> None:
         if self._link is not None:

@@ -155,6 +155,7 @@ class Generation:
                                       cache_salt=self.cache_salt, tenant=self.tenant,
                                       tenant_weight=self.tenant_weight,
                                       lora_name=self.lora_name)
+        self.trace.on_replica(self.engine.replica_of(sub_id))
         child_ids = ([sub_id] if params.n == 1
                      else [f"{i}_{sub_id}" for i in range(params.n)])
         self.states.append(RequestState(self.tokenizer, sub_id, None, ids, params,

@@ -31,6 +31,7 @@ class RequestTrace:
         self.detokenize_seconds = 0.0
         self.num_output_tokens = 0
         self.finish_reasons: list[str] = []
+        self.replicas: list[int] = []  # data parallelism: each prompt's replica
         if tracer is not None:
             self.span = tracer.start_span(
                 f"{operation} {model}", context=context_from_traceparent(client_traceparent),
@@ -70,6 +71,15 @@ class RequestTrace:
             return
         self.span.set_attribute("gen_ai.usage.input_tokens", num_prompt_tokens)
         self._respond = self._child("api.respond", attributes={"folio.stream": stream})
+
+    def on_replica(self, replica: int | None) -> None:
+        """A prompt went to data-parallel replica ``replica`` (None: only one replica):
+        ``folio.replica`` holds it, or every prompt's replica for a batch that split."""
+        if replica is None or self.span is None:
+            return
+        self.replicas.append(replica)
+        value = replica if len(set(self.replicas)) == 1 else list(self.replicas)
+        self.span.set_attribute("folio.replica", value)
 
     def on_tokens(self, num_tokens: int) -> None:
         self.num_output_tokens += num_tokens

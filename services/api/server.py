@@ -8,6 +8,8 @@ same routes on its own unix socket so its health can be probed alone.
 On SIGTERM the process drains: new generation requests get 503, those in flight finish
 (up to ``services.drain_timeout_s``), then it exits 0. If the engine core goes away,
 open streams end with an error event, new requests get 503, and the process exits 1.
+With ``parallel.data_parallel_size`` > 1 it links to every replica's engine core
+(engine_replicas.py) and exits only when all of them are gone.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from services.api.admin_routes import AdminRoutes
 from services.api.app import APIServer
 from services.api.auth import APIKeys
 from services.api.engine_client import EngineClient
+from services.api.engine_replicas import EngineReplicas
 from services.api.http_server import serve_api
 from services.endpoints import api_admin_endpoint, engine_core_endpoint
 from services.entrypoint import (ENGINE_LOSS_GRACE_S, StopSignal, first_completed,
@@ -39,7 +42,7 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
     services = config.services
     tokenizer = Tokenizer.from_model_path(config.model.tokenizer
                                           or resolve_model_path(config.model.path))
-    engine = EngineClient(engine_core_endpoint(services), f"api-{args.index}-{os.getpid()}")
+    engine = _engine(config, f"api-{args.index}-{os.getpid()}")
     facts = await engine.start(timeout=services.startup_timeout_s)
     tracing = Tracing(config.observability, "api")
     api_keys = APIKeys.from_sources(config.api.api_keys, os.environ)
@@ -79,6 +82,18 @@ async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal)
     await engine.close()
     tracing.shutdown()
     return status
+
+
+def _engine(config: FolioConfig, client_id: str) -> EngineClient | EngineReplicas:
+    """One engine core's client, or one per data-parallel replica behind a router."""
+    parallel, services = config.parallel, config.services
+    if parallel.data_parallel_size == 1:
+        return EngineClient(engine_core_endpoint(services), client_id)
+    return EngineReplicas(
+        [EngineClient(engine_core_endpoint(services, r), f"{client_id}-r{r}")
+         for r in range(parallel.data_parallel_size)],
+        parallel.routing, parallel.routing_max_imbalance, config.cache.hash_algorithm,
+        config.cache.enable_prefix_caching, config.observability.metrics_prefix)
 
 
 def main(argv: list[str] | None = None) -> int:

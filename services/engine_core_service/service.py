@@ -109,7 +109,8 @@ class EngineCoreService:
                                                   ready.facts, executor=None,
                                                   lora_config=self.config.lora,
                                                   speculative_config=self.config.speculative)
-        self.clients = APIClients(self.engine)
+        self.clients = APIClients(self.engine,
+                                  publish_cache=self.config.parallel.data_parallel_size > 1)
         self.lora = EngineLoRA(self.engine)
         self.control = EngineControl(self.engine, self.config.worker, self.health)
         self._reader = asyncio.get_running_loop().create_task(self._read_worker(messages))
@@ -254,6 +255,7 @@ class EngineCoreService:
                     await self._idle(is_stalled)
                 await self._apply_inbox()
                 await self.control.run_ready(self._ask_worker)
+                await self.clients.publish()  # a prefix-cache reset's news goes out now
                 await self.lora.apply_results(self.owner)
                 scheduler_output = self.engine.begin_step()
                 await self.lora.send_commands(self._worker)
@@ -305,12 +307,12 @@ class EngineCoreService:
 
 async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal) -> int:
     """Connect to the worker, listen for API processes, step until SIGTERM or failure."""
-    tracing = Tracing(config.observability, "engine-core")
-    core = EngineCoreService(config, worker_endpoint(config.services), tracing)
+    tracing = Tracing(config.observability, "engine-core", replica=args.replica)
+    core = EngineCoreService(config, worker_endpoint(config.services, args.replica), tracing)
     await core.connect_worker(timeout=config.services.startup_timeout_s)
-    endpoint = engine_core_endpoint(config.services)
+    endpoint = engine_core_endpoint(config.services, args.replica)
     runner = await start_site(core.app(), endpoint, shutdown_timeout=0.5)
-    log_ready("engine-core", config, core.ready.facts, endpoint,
+    log_ready("engine-core", config, core.ready.facts, endpoint, replica=args.replica,
               policy=config.scheduler.policy, max_num_seqs=config.scheduler.max_num_seqs)
     core.reloader = ConfigReloader(core, args.config, parse_set_overrides(args.overrides))
     stop.mark_serving()

@@ -240,11 +240,11 @@ class WorkerService:
 async def serve(config: FolioConfig, args: argparse.Namespace, stop: StopSignal) -> int:
     """Load the model, listen, and serve until SIGTERM or a Shutdown message."""
     t0 = time.perf_counter()
-    tracing = Tracing(config.observability, "worker")
+    tracing = Tracing(config.observability, "worker", replica=args.replica)
     worker = WorkerService(config, tracing)
-    endpoint = worker_endpoint(config.services)
+    endpoint = worker_endpoint(config.services, args.replica)
     runner = await start_site(worker.app(), endpoint)
-    log_ready("worker", config, worker.ready.facts, endpoint,
+    log_ready("worker", config, worker.ready.facts, endpoint, replica=args.replica,
               attention_backend=worker.runner.attention_backend.name,
               load_seconds=round(worker.runner.load_seconds, 2),
               ready_seconds=round(time.perf_counter() - t0, 2))

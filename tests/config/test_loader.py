@@ -54,6 +54,13 @@ def test_environment_is_read(monkeypatch, tmp_path):
      "speculative.prompt_lookup_max"),
     ("speculative:\n  method: draft_model\n", "speculative.draft_model"),
     ("speculative:\n  disable_by_batch_size: 0\n", "speculative.disable_by_batch_size"),
+    ("parallel:\n  data_parallel_size: 0\n", "parallel.data_parallel_size"),
+    ("parallel:\n  routing: random\n", "parallel.routing"),
+    ("parallel:\n  routing_max_imbalance: -1\n", "parallel.routing_max_imbalance"),
+    ("parallel:\n  data_parallel_size: 2\n  tensor_parallel_size: 2\n",
+     "parallel.data_parallel_size"),
+    ("parallel:\n  data_parallel_size: 2\nservices:\n  worker_address: 'w:9000'\n",
+     "services.worker_address"),
 ])
 def test_bad_keys_and_values_name_key_and_file(tmp_path, text, key):
     path = write(tmp_path, text)
@@ -75,3 +82,10 @@ def test_bad_yaml_and_missing_file(tmp_path):
 def test_unknown_override_key_names_its_source():
     with pytest.raises(ConfigError, match=r"scheduler\.bogus.*overrides"):
         load_config(DEFAULT_CONFIG_PATH, {"scheduler.bogus": 1}, use_env=False)
+
+
+def test_the_offline_llm_runs_one_replica():
+    from folio import LLM
+    with pytest.raises(ConfigError, match="data_parallel_size") as e:
+        LLM(data_parallel_size=2)  # refused before any model loads
+    assert e.value.key == "parallel.data_parallel_size"

@@ -70,6 +70,11 @@ class FakeEngine:
     def forget(self, req_id):
         pass
 
+    num_replicas = 1  # one engine core, as EngineClient
+
+    def replica_of(self, req_id):
+        return None
+
     def fresh_health(self):
         return self.health
 
