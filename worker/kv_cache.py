@@ -1,4 +1,8 @@
-"""The paged KV cache: one tensor per layer, ``[2, num_blocks, block_size, kv_heads, head_dim]``."""
+"""The paged KV cache: one tensor per layer, ``[2, num_blocks, block_size, kv_heads, head_dim]``.
+
+Its dtype is the model's (memory.kv_cache_dtype: auto) or a one-byte fp8 format, which
+halves a block's bytes against bfloat16: the same budget holds twice the tokens.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,6 +10,15 @@ from dataclasses import dataclass
 import torch
 
 from worker.models.architecture import ModelArchitecture
+
+
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """memory.kv_cache_dtype as a torch dtype: ``auto`` is the model's own."""
+    return model_dtype if name == "auto" else KV_CACHE_DTYPES[name]
 
 
 @dataclass(slots=True, frozen=True)
