@@ -1,16 +1,21 @@
 """Teacher-forced perplexity on a fixed text: quantized weights against the dequantised
-float32 model, same run, same tokens.
+float32 model (``--configs weights``), or a quantized KV cache against the model dtype's
+(``--configs kv``), same run, same tokens.
 
 The text (``benchmarks/data/perplexity_text.txt``, an essay written for this benchmark,
 2,070 tokens with SmolLM2's tokenizer) is run as one prompt; every position's logits
 score the next token, and perplexity is ``exp(mean negative log-likelihood)``. Each
 configuration is a full Folio model (``model.quantization`` x ``model.dtype`` x
-``worker.linear_backend``); the first is the reference and the others are reported
-relative to it. llama.cpp's own ``llama-perplexity`` scores the same text and GGUF beside
+``worker.linear_backend`` x ``memory.kv_cache_dtype``); the first is the reference and the
+others are reported relative to it. An fp8 KV cache is felt even though the text is one
+prefill: attention rounds this step's keys and values through the cache format, exactly
+as a later step reads them back (kernels/kv_quant.py). llama.cpp's own ``llama-perplexity`` scores the same text and GGUF beside
 them when benchmarks/llamacpp.py has built it (or ``--llama-perplexity BIN`` names one);
 its windows differ: it reports its own context length.
 
     .venv/bin/python benchmarks/perplexity.py --json benchmarks/results/perplexity.json
+    .venv/bin/python benchmarks/perplexity.py --configs kv \
+        --json benchmarks/results/perplexity_kv_cache.json
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 TEXT = REPO / "benchmarks" / "data" / "perplexity_text.txt"
-# (label, quantization, dtype, linear backend); the first is the reference
+# (label, quantization, dtype, linear backend[, kv cache dtype]); the first is the reference
 CONFIGS = [
     ("dequantised float32", "none", "float32", "auto"),
     ("quantized, float32 activations, measured kernels", "auto", "float32", "auto"),
@@ -39,6 +44,13 @@ CONFIGS = [
     ("quantized, int8 route everywhere, bfloat16", "auto", "bfloat16", "int8"),
     ("quantized, widening route everywhere, bfloat16", "auto", "bfloat16", "widen"),
     ("dequantised bfloat16", "none", "bfloat16", "auto"),
+]
+KV_CONFIGS = [
+    ("bfloat16 model, bfloat16 KV cache", "none", "bfloat16", "auto", "auto"),
+    ("bfloat16 model, fp8 (e4m3) KV cache", "none", "bfloat16", "auto", "fp8"),
+    ("bfloat16 model, fp8_e5m2 KV cache", "none", "bfloat16", "auto", "fp8_e5m2"),
+    ("float32 model, float32 KV cache", "none", "float32", "auto", "auto"),
+    ("float32 model, fp8 (e4m3) KV cache", "none", "float32", "auto", "fp8"),
 ]
 
 
@@ -51,7 +63,7 @@ def negative_log_likelihoods(runner, token_ids: list[int], chunk: int = 256) -> 
     from worker.request_state import CachedRequestState
     block = 16
     num_blocks = -(-len(token_ids) // block)
-    caches = allocate_kv_cache(KVCacheSpec.for_model(runner.arch, block, runner.dtype),
+    caches = allocate_kv_cache(KVCacheSpec.for_model(runner.arch, block, runner.kv_cache_dtype),
                                num_blocks + 1, runner.device)
     state = CachedRequestState("ppl", list(token_ids), len(token_ids), WorkerSamplingParams(),
                                list(range(1, num_blocks + 1)), 0, None)
@@ -67,15 +79,16 @@ def negative_log_likelihoods(runner, token_ids: list[int], chunk: int = 256) -> 
     return torch.cat(out)
 
 
-def score(label, quantization, dtype, backend, token_ids, model):
+def score(label, quantization, dtype, backend, kv_cache_dtype, token_ids, model):
     from folio import LLM
     started = time.perf_counter()
     llm = LLM(model=model, dtype=dtype, quantization=quantization, max_model_len=4096,
-              num_blocks=300, **{"worker.linear_backend": backend,
-                                 "observability.log_level": "warning"})
+              num_blocks=300, kv_cache_dtype=kv_cache_dtype,
+              **{"worker.linear_backend": backend, "observability.log_level": "warning"})
     nll = negative_log_likelihoods(llm.runner, token_ids)
     result = {"label": label, "quantization": llm.runner.quantization, "dtype": dtype,
-              "linear_backend": backend, "perplexity": math.exp(nll.mean().item()),
+              "linear_backend": backend, "kv_cache_dtype": kv_cache_dtype,
+              "perplexity": math.exp(nll.mean().item()),
               "mean_nll": nll.mean().item(), "tokens_scored": nll.numel(),
               "seconds": time.perf_counter() - started}
     print(f"{label:52s} ppl {result['perplexity']:8.4f}", flush=True)
@@ -101,19 +114,28 @@ def main(argv=None) -> int:
                     help="llama.cpp's llama-perplexity binary (default: the one "
                          "benchmarks/llamacpp.py built, if any)")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--configs", choices=["weights", "kv"], default="weights",
+                    help="weights: quantized weights vs float32 (and llama.cpp); kv: fp8 KV "
+                         "caches vs the model dtype's")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     from benchmarks.machine import machine_facts
     from model_files.paths import resolve_model_path
     from text.tokenizer import Tokenizer
     token_ids = Tokenizer.from_model_path(args.model).encode(TEXT.read_text())
-    results = [score(*config, token_ids, args.model) for config in CONFIGS]
-    reference = results[0]["perplexity"]
+    configs = CONFIGS if args.configs == "weights" else KV_CONFIGS
+    results = [score(*config[:4], config[4] if len(config) > 4 else "auto", token_ids,
+                     args.model) for config in configs]
+    # weights: everything against the first; kv: each against its model dtype's own cache
+    references = {r["dtype"]: r["perplexity"] for r in reversed(results)
+                  if r["kv_cache_dtype"] == "auto"} if args.configs == "kv" else {}
     for r in results:
+        reference = references.get(r["dtype"], results[0]["perplexity"])
         r["relative_to_reference"] = r["perplexity"] / reference - 1
         print(f"{r['label']:52s} {100 * r['relative_to_reference']:+6.2f}% vs reference")
     from benchmarks.llamacpp import binary
-    binary_path = args.llama_perplexity or binary("llama-perplexity")
+    binary_path = (args.llama_perplexity or binary("llama-perplexity")
+                   if args.configs == "weights" else None)
     if binary_path:
         results.append(llama_perplexity(binary_path,
                                         resolve_model_path(args.model), args.threads))

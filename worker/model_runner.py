@@ -111,11 +111,8 @@ class ModelRunner:
 
     def _pick_attention_backend(self) -> AttentionBackend:
         from kernels import cpu_extension, cpu_paged_attention
-        # The native decode kernel reads caches of the model's dtype only: with an fp8
-        # cache auto takes the torch reference on a CPU (README, "Quantized KV cache").
-        same_dtype = self.kv_cache_dtype == self.dtype
         name = choose_attention_backend(self.worker_config.attention_backend, self.device,
-                                        lambda: same_dtype and cpu_paged_attention.is_available())
+                                        cpu_paged_attention.is_available)
         extra = {}
         if self.device.type == "cpu" and cpu_extension.load_seconds is not None:
             extra["build_or_load_seconds"] = round(cpu_extension.load_seconds, 2)

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
@@ -68,6 +70,23 @@ inline vf load(const c10::Half* p) {
 #else
   for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
 #endif
+  return v;
+}
+
+// fp8 (a quantized KV cache, scale 1.0): e5m2 is the top byte of an fp16, so it widens
+// through the fp16 conversion; e4m3fn goes element by element (c10's bit conversion).
+inline vf load(const c10::Float8_e5m2* p) {
+  c10::Half h[kLanes];
+  for (int i = 0; i < kLanes; ++i) {
+    const uint16_t bits = static_cast<uint16_t>(p[i].x) << 8;
+    std::memcpy(h + i, &bits, sizeof bits);
+  }
+  return load(h);
+}
+
+inline vf load(const c10::Float8_e4m3fn* p) {
+  vf v;
+  for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
   return v;
 }
 
@@ -179,6 +198,16 @@ inline const float* row_as_float(const c10::Half* src, float* buf, int64_t n) {
   }
 #endif
   for (; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  return buf;
+}
+
+inline const float* row_as_float(const c10::Float8_e4m3fn* src, float* buf, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  return buf;
+}
+
+inline const float* row_as_float(const c10::Float8_e5m2* src, float* buf, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
   return buf;
 }
 
