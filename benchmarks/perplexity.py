@@ -53,6 +53,29 @@ KV_CONFIGS = [
     ("float32 model, fp8 (e4m3) KV cache", "none", "float32", "auto", "fp8"),
 ]
 
+# Candidate KV formats not (yet) built, emulated for the decision: the text is one
+# prefill, so attention sees keys and values only through round_through_cache
+# (kernels/paged_attention.py), which --configs kv-formats replaces by each rounding.
+
+
+def _fp8_per_row(x, dtype=torch.float8_e4m3fn):
+    # fp8 with a scale per token and head (its largest |x| maps to the format's max)
+    a = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / torch.finfo(dtype).max
+    return (x.float() / a).to(dtype).float().mul(a).to(x.dtype)
+
+
+def _int8_per_row(x):
+    # symmetric int8 with a scale per token and head (stored beside the cache: +2-4 bytes
+    # per head_dim bytes, so about 1.9x rather than 2x the tokens of bf16)
+    a = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+    return (x.float() / a).round().clamp(-127, 127).mul(a).to(x.dtype)
+
+
+EMULATED_KV = {
+    "fp8 e4m3, one scale per token and head (emulated)": _fp8_per_row,
+    "int8, one scale per token and head (emulated)": _int8_per_row,
+}
+
 
 @torch.inference_mode()
 def negative_log_likelihoods(runner, token_ids: list[int], chunk: int = 256) -> torch.Tensor:
@@ -95,6 +118,21 @@ def score(label, quantization, dtype, backend, kv_cache_dtype, token_ids, model)
     return result
 
 
+def emulated_kv_formats(token_ids, model) -> list[dict]:
+    """The bfloat16 model with attention over keys and values rounded as EMULATED_KV."""
+    import kernels.paged_attention as attention
+    built = attention.round_through_cache
+    out = []
+    try:
+        for label, rounding in EMULATED_KV.items():
+            attention.round_through_cache = lambda x, _dtype, f=rounding: f(x)
+            out.append(score(f"bfloat16 model, {label}", "none", "bfloat16", "auto", "auto",
+                             token_ids, model))
+    finally:
+        attention.round_through_cache = built
+    return out
+
+
 def llama_perplexity(binary: Path, gguf: Path, threads: int) -> dict:
     """llama.cpp's ``llama-perplexity`` on the same text and file (its own windows)."""
     proc = subprocess.run([str(binary), "-m", str(gguf), "-f", str(TEXT), "-t", str(threads),
@@ -126,6 +164,8 @@ def main(argv=None) -> int:
     configs = CONFIGS if args.configs == "weights" else KV_CONFIGS
     results = [score(*config[:4], config[4] if len(config) > 4 else "auto", token_ids,
                      args.model) for config in configs]
+    if args.configs == "kv":
+        results += emulated_kv_formats(token_ids, args.model)
     # weights: everything against the first; kv: each against its model dtype's own cache
     references = {r["dtype"]: r["perplexity"] for r in reversed(results)
                   if r["kv_cache_dtype"] == "auto"} if args.configs == "kv" else {}
