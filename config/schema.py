@@ -19,7 +19,7 @@ from config.speculative import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "int8", "gguf")
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +65,10 @@ class MemoryConfig:
     kv_cache_dtype: str = _f("auto", "KV cache storage: auto (the model dtype) | fp8 (= "
                              "fp8_e4m3) | fp8_e5m2: one byte per element, so the same bytes "
                              "hold 2x the tokens of bfloat16 (4x of float32); keys and values "
-                             "are rounded on store (scale 1.0, saturating) and widened on load")
+                             "are rounded on store (scale 1.0, saturating) and widened on "
+                             "load | int8: a scale per token and KV head (1.94x the tokens "
+                             "at head_dim 64, the closest to bf16's perplexity; CPU and the "
+                             "torch attention backend only)")
 
     def __post_init__(self):
         _check(self.kv_cache_bytes > 0, "memory.kv_cache_bytes", "must be positive")

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.kv_quant import round_through_cache
+from kernels.kv_quant import load_kv, round_through_cache
 from kernels.triton_paged_attention import choose_num_splits, ragged_paged_attention
 
 
@@ -178,9 +178,8 @@ def make_ragged_plan(query_start_loc: list[int], seq_lens: list[int],
 
 
 def _load(flat: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Cache rows at ``slots``, widened to ``dtype`` when the cache stores another (fp8)."""
-    rows = flat.index_select(0, slots)
-    return rows if rows.dtype == dtype else rows.to(dtype)
+    """Cache rows at ``slots`` as ``dtype`` values (widened from fp8, int8 times scale)."""
+    return load_kv(flat.index_select(0, slots), dtype)
 
 
 def _decode_attention(query, k_flat, v_flat, plan, scale):

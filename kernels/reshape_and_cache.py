@@ -11,7 +11,7 @@ A negative slot means "padding, write nothing" (CUDA-graph batches are padded wi
 The cache may have another dtype than the keys (fp32 activations into an fp16 cache):
 values are converted on the way in. An fp8 cache (memory.kv_cache_dtype) stores them
 rounded to nearest even with scale 1.0, saturating at the format's largest value
-(kernels/kv_quant.py).
+(kernels/kv_quant.py); an int8 cache (CPU only) takes each head's row with its scale.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from kernels.kv_quant import fp8_mantissa_bits, fp8_max, is_fp8, quantize_kv
 
 
 def _index_copy(key, value, kv_cache, slot_mapping) -> None:
-    num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    num_blocks, block_size, num_kv_heads, row = kv_cache.shape[1:]  # row: head_dim (+ scale)
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, row)
     key, value = quantize_kv(key, kv_cache.dtype), quantize_kv(value, kv_cache.dtype)
     if is_fp8(kv_cache.dtype):  # torch has no fp8 index_copy_ on the CPU: copy the bytes
         flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
@@ -88,6 +88,7 @@ def reshape_and_cache_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: t
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    assert kv_cache.dtype != torch.int8, "int8 KV caches are written on the CPU only"
     assert kv_cache.is_contiguous(), "the kernel addresses the cache as [slots, kvh*hd]"
     key, value = _token_rows(key), _token_rows(value)
     row = num_kv_heads * head_dim

@@ -236,6 +236,7 @@ def ragged_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     assert kv_cache.is_contiguous() and query.stride(2) == 1
+    assert kv_cache.dtype != torch.int8, "the Triton kernel reads no int8 KV cache"
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     num_reqs = seq_lens.shape[0]

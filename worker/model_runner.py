@@ -11,8 +11,8 @@ from config.speculative import SpeculativeConfig
 from engine_core.outputs import ModelRunnerOutput
 from engine_core.scheduler_output import SchedulerOutput
 from observability.logging import get_logger
-from worker.attention_backend import (NATIVE_CPU, AttentionBackend, choose_attention_backend,
-                                     make_attention_backend)
+from worker.attention_backend import (NATIVE_CPU, AttentionBackend, check_kv_cache_dtype,
+                                     choose_attention_backend, make_attention_backend)
 from worker.device import resolve_device, resolve_dtype
 from worker.distributed.step_channel import StepChannel
 from worker.distributed.tp_group import TPGroup
@@ -111,8 +111,11 @@ class ModelRunner:
 
     def _pick_attention_backend(self) -> AttentionBackend:
         from kernels import cpu_extension, cpu_paged_attention
-        name = choose_attention_backend(self.worker_config.attention_backend, self.device,
-                                        cpu_paged_attention.is_available)
+        int8 = check_kv_cache_dtype(self.kv_cache_dtype, self.worker_config.attention_backend,
+                                    self.device)
+        name = choose_attention_backend(
+            self.worker_config.attention_backend, self.device,
+            lambda: not int8 and cpu_paged_attention.is_available())
         extra = {}
         if self.device.type == "cpu" and cpu_extension.load_seconds is not None:
             extra["build_or_load_seconds"] = round(cpu_extension.load_seconds, 2)

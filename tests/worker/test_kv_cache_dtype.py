@@ -27,7 +27,7 @@ def prompts():
 
 def test_the_key_and_its_values():
     assert MemoryConfig().kv_cache_dtype == "auto"
-    for name in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+    for name in ("fp8", "fp8_e4m3", "fp8_e5m2", "int8"):
         assert load_config(None, {"kv_cache_dtype": name}).memory.kv_cache_dtype == name
     with pytest.raises(ConfigError, match="memory.kv_cache_dtype"):
         MemoryConfig(kv_cache_dtype="int4")
@@ -48,6 +48,10 @@ def test_block_bytes_halve_against_bf16():
     assert spec[torch.float8_e5m2].num_blocks_for(budget) == 2 * bf16
     assert spec[torch.float8_e4m3fn].num_blocks_for(budget) == \
         4 * spec[torch.float32].num_blocks_for(budget)
+    # int8: 64 values + a 2-byte scale per head row, 66 bytes against bf16's 128
+    int8 = KVCacheSpec(30, 16, 3, 64, torch.int8)
+    assert int8.row_width == 66 and int8.bytes_per_block * 64 == spec[torch.bfloat16] \
+        .bytes_per_block * 33
 
 
 @pytest.mark.parametrize("dtype,factor", [("float32", 4), ("bfloat16", 2)])
@@ -88,6 +92,33 @@ def test_fp8_generation_is_consistent_across_cache_paths(make_tiny_llm, prompts)
     a = llm.generate(prompts[1], params, use_tqdm=False)[0].outputs[0].cumulative_logprob
     b = plain.generate(prompts[1], params, use_tqdm=False)[0].outputs[0].cumulative_logprob
     assert a != b and abs(a - b) < 0.5
+
+
+def test_int8_cache_on_the_cpu(make_tiny_llm, prompts):
+    """int8 rows with their scales: 16 values + 2 bytes per head row of the tiny model
+    (32 bytes in bfloat16), consistent across the cache paths; read by torch only."""
+    budget = 4 * 1024 ** 2
+    bf16 = make_tiny_llm(dtype="bfloat16", num_blocks=None, kv_cache_bytes=budget)
+    llm = make_tiny_llm(dtype="bfloat16", num_blocks=None, kv_cache_bytes=budget,
+                        kv_cache_dtype="int8", max_model_len=128)
+    cache = llm.runner.kv_caches[0]
+    assert cache.dtype == torch.int8 and cache.shape[-1] == 18
+    assert cache.shape[1] == bf16.runner.kv_caches[0].shape[1] * 32 // 18
+    assert llm.runner.attention_backend.name == "torch"
+    fresh = greedy(llm, prompts)
+    again = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == fresh
+    assert sum(o.num_cached_tokens for o in again) > 0
+    chunked = make_tiny_llm(dtype="bfloat16", kv_cache_dtype="int8", max_model_len=128,
+                            num_blocks=64, max_num_batched_tokens=16,
+                            enable_prefix_caching=False)
+    assert greedy(chunked, prompts) == fresh
+
+
+def test_int8_is_refused_where_only_fp8_is_read(make_tiny_llm):
+    with pytest.raises(ConfigError, match="memory.kv_cache_dtype=int8.*"
+                                          "worker.attention_backend=triton"):
+        make_tiny_llm(kv_cache_dtype="int8", attention_backend="triton")
 
 
 def test_triton_backend_reads_fp8(make_tiny_llm, prompts):
