@@ -1,6 +1,6 @@
 """Rounding keys and values into a one-byte (fp8 or int8) KV cache, and widening them back.
 
-A quantized cache stores every element as ``round(x / scale)`` in the cache's fp8 format
+An fp8 cache stores every element as ``round(x / scale)`` in the cache's fp8 format
 with ``scale = 1.0`` (vLLM's default when no calibrated scales are given): keys and values
 of the models served here sit well inside fp8's range, so one byte keeps 3 (e4m3) or
 2 (e5m2) mantissa bits of each. Values beyond the format's largest finite number
@@ -27,8 +27,6 @@ import torch
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _MANTISSA_BITS = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
-
-
 INT8_SCALE_BYTES = 2  # a bfloat16 scale at the end of each int8 head row
 
 
