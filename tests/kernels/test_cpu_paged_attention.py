@@ -108,6 +108,25 @@ def test_fp8_cache_matches_reference(head_dim, dtype, kv_dtype):
                                atol=TOL[dtype] * 3, rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_fp8_every_value_widens_exactly(head_dim, kv_dtype):
+    """One key per request: the output is that key's value row, so every finite fp8 bit
+    pattern (subnormals, zeros, the largest) must come back exactly as torch widens it."""
+    bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = torch.isfinite(bits.view(kv_dtype).float())
+    bits = bits[finite]
+    n = len(bits)
+    cache = torch.zeros(2, n + 1, 1, 1, head_dim, dtype=torch.uint8)
+    cache[1, 1:, 0, 0, :] = bits[:, None]  # request r's value row: bit pattern r everywhere
+    cache = cache.view(kv_dtype)
+    tables = torch.arange(1, n + 1, dtype=torch.int64)[:, None]
+    q = torch.zeros(n, 1, head_dim)
+    out = cpa.paged_attention_decode(q, cache, tables, torch.ones(n, dtype=torch.int64), 1.0)
+    assert torch.equal(out[:, 0, :], bits.view(kv_dtype).float()[:, None].expand(n, head_dim))
+
+
 @pytest.mark.parametrize("head_dim", [16, 80, 96])
 def test_other_head_dims(head_dim):
     q, cache, tables, lens = make_decode_batch([1, 7, 33, 100], 4, 6, 2, head_dim,
