@@ -15,6 +15,8 @@
 #                tolerance (benchmarks/gpu_parity.py)
 #   bench-small  throughput vs HF generate and decode step times (graphs / eager, batch
 #   bench-1b     1, 32, 256) on random SmolLM2- and TinyLlama-1.1B-shaped checkpoints
+#   kv-fp8       the fp8 KV cache (memory.kv_cache_dtype): Triton store and attention
+#                against the torch reference (tests/kernels/test_kv_cache_fp8.py)
 #   lora-kernels the LoRA shrink/expand kernels against their torch reference
 #   lora-bench   mixed LoRA adapters vs base vs one adapter at a time (lora_throughput.py)
 #
@@ -41,7 +43,7 @@ while [ $# -gt 0 ]; do
     --wheels) WHEELS=$2; shift 2 ;;
     --quick) QUICK=1; shift ;;
     --dry-run) DRY=1; QUICK=1; shift ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
   esac
 done
@@ -128,6 +130,14 @@ else
     tests/worker/test_cuda_graph_replay.py tests/worker/test_sampler.py \
     tests/worker/test_gpu_path.py::test_decode_graph_padding_matches_eager
 fi
+
+# fp8 KV cache (issue 19): Triton's quantizing store and fp8-reading attention kernel
+# against the torch reference (compiled on a GPU, interpreted on a CPU).
+KV_FP8=tests/kernels/test_kv_cache_fp8.py
+KV_FP8_TESTS=("$KV_FP8")
+[ "$QUICK" = 1 ] && KV_FP8_TESTS=("$KV_FP8::test_store_rounds_saturates_and_skips_padding"
+  "$KV_FP8::test_triton_matches_reference_on_fp8_cache[e4m3-bf16]")
+section kv-fp8 90 env TRITON_INTERPRET=$((1 - CUDA)) "${PYTEST[@]}" "${KV_FP8_TESTS[@]}"
 
 PARITY=("$PY" benchmarks/gpu_parity.py --json "$WORK/parity.json")
 BENCH=(--decode-batch 1 32 256)

@@ -35,6 +35,7 @@ FLAT_ALIASES = {
     "block_size": "memory.block_size",
     "num_gpu_blocks_override": "memory.num_blocks",
     "num_blocks": "memory.num_blocks",
+    "kv_cache_dtype": "memory.kv_cache_dtype",
     "max_num_seqs": "scheduler.max_num_seqs",
     "max_num_batched_tokens": "scheduler.max_num_batched_tokens",
     "enable_chunked_prefill": "scheduler.enable_chunked_prefill",

@@ -21,7 +21,8 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor,
 
     ``query`` ``[num_decodes, num_heads, head_dim]``; ``kv_cache`` contiguous
     ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` of the query's dtype
-    (float32, bfloat16 or float16), already holding this step's keys and values;
+    (float32, bfloat16 or float16) or fp8 (float8_e4m3fn / float8_e5m2, scale 1.0,
+    widened as loaded), already holding this step's keys and values;
     ``block_tables`` ``[num_decodes, max_blocks]`` int64 (other integer dtypes are
     converted, at the cost of a copy); ``seq_lens`` ``[num_decodes]`` int64, the keys
     each request attends to (its own token included). Query head ``h`` reads kv head

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kernels.kv_quant import load_kv, round_through_cache
 from kernels.triton_paged_attention import choose_num_splits, ragged_paged_attention
 
 
@@ -176,6 +177,11 @@ def make_ragged_plan(query_start_loc: list[int], seq_lens: list[int],
                               ragged=meta)
 
 
+def _load(flat: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows at ``slots`` as ``dtype`` values (widened from fp8, int8 times scale)."""
+    return load_kv(flat.index_select(0, slots), dtype)
+
+
 def _decode_attention(query, k_flat, v_flat, plan, scale):
     # Every query head of a KV head's group sees the same keys under the same mask, so
     # the group folds into the query-length axis: q [D, kvh, group, hd] against keys
@@ -184,8 +190,8 @@ def _decode_attention(query, k_flat, v_flat, plan, scale):
     num_kv_heads = k_flat.shape[1]
     slots = plan.decode_slots
     shape = (num_decodes, slots.shape[1], num_kv_heads, head_dim)
-    keys = k_flat.index_select(0, slots.view(-1)).view(shape).transpose(1, 2)
-    values = v_flat.index_select(0, slots.view(-1)).view(shape).transpose(1, 2)
+    keys = _load(k_flat, slots.view(-1), query.dtype).view(shape).transpose(1, 2)
+    values = _load(v_flat, slots.view(-1), query.dtype).view(shape).transpose(1, 2)
     q = query.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=plan.decode_mask,
                                          scale=scale)
@@ -196,12 +202,12 @@ def _prefill_attention(query, key, value, k_flat, v_flat, seg, scale):
     # SDPA takes its fused CPU kernel only for 4-D inputs ([1, heads, len, hd]); 3-D
     # inputs fall back to a path measured 7-10x slower here.
     q = query[seg.start:seg.end].transpose(0, 1).unsqueeze(0)
-    if seg.key_slots is None:
-        k = key[seg.start:seg.end]
-        v = value[seg.start:seg.end]
+    if seg.key_slots is None:  # as the cache holds them (kernels/kv_quant.py)
+        k = round_through_cache(key[seg.start:seg.end], k_flat.dtype)
+        v = round_through_cache(value[seg.start:seg.end], v_flat.dtype)
     else:
-        k = k_flat.index_select(0, seg.key_slots)
-        v = v_flat.index_select(0, seg.key_slots)
+        k = _load(k_flat, seg.key_slots, query.dtype)
+        v = _load(v_flat, seg.key_slots, query.dtype)
     out = F.scaled_dot_product_attention(q, k.transpose(0, 1).unsqueeze(0),
                                          v.transpose(0, 1).unsqueeze(0), attn_mask=seg.mask,
                                          scale=scale, is_causal=seg.mask is None,

@@ -9,7 +9,9 @@ turns the write into one indexed copy::
 
 A negative slot means "padding, write nothing" (CUDA-graph batches are padded with -1).
 The cache may have another dtype than the keys (fp32 activations into an fp16 cache):
-values are converted on the way in.
+values are converted on the way in. An fp8 cache (memory.kv_cache_dtype) stores them
+rounded to nearest even with scale 1.0, saturating at the format's largest value
+(kernels/kv_quant.py); an int8 cache (CPU only) takes each head's row with its scale.
 """
 from __future__ import annotations
 
@@ -17,12 +19,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import fp8_mantissa_bits, fp8_max, is_fp8, quantize_kv
+
 
 def _index_copy(key, value, kv_cache, slot_mapping) -> None:
-    num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
-    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    flat[0].index_copy_(0, slot_mapping, key.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, value.to(kv_cache.dtype))
+    num_blocks, block_size, num_kv_heads, row = kv_cache.shape[1:]  # row: head_dim (+ scale)
+    flat = kv_cache.view(2, num_blocks * block_size, num_kv_heads, row)
+    key, value = quantize_kv(key, kv_cache.dtype), quantize_kv(value, kv_cache.dtype)
+    if is_fp8(kv_cache.dtype):  # torch has no fp8 index_copy_ on the CPU: copy the bytes
+        flat, key, value = flat.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
+    flat[0].index_copy_(0, slot_mapping, key)
+    flat[1].index_copy_(0, slot_mapping, value)
 
 
 def reshape_and_cache_reference(key: torch.Tensor, value: torch.Tensor,
@@ -33,9 +40,27 @@ def reshape_and_cache_reference(key: torch.Tensor, value: torch.Tensor,
 
 
 @triton.jit
+def _to_cache(x, FP8_MANTISSA: tl.constexpr, FP8_MAX: tl.constexpr):
+    """``x`` ready to cast to an fp8 cache (unchanged for others): rounded to nearest even
+    at FP8_MANTISSA bits in float32 arithmetic, then saturated. The cast that follows is
+    then exact for normal numbers on any backend (Triton's interpreter rounds half up and
+    loses the carry into the exponent: 31.6 became 16 in e4m3)."""
+    if FP8_MANTISSA > 0:
+        DROP: tl.constexpr = 23 - FP8_MANTISSA
+        # int32 bits: the sign bit makes them negative, the magnitude bits below it
+        # still round as unsigned (no overflow: the exponent stays below 255)
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+        bits = bits + ((1 << (DROP - 1)) - 1) + ((bits >> DROP) & 1)
+        x = (bits & -(1 << DROP)).to(tl.float32, bitcast=True)
+        x = tl.minimum(tl.maximum(x, -FP8_MAX), FP8_MAX)
+    return x
+
+
+@triton.jit
 def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                               stride_key_token, stride_value_token,
-                              ROW: tl.constexpr, BLOCK: tl.constexpr):
+                              ROW: tl.constexpr, BLOCK: tl.constexpr,
+                              FP8_MANTISSA: tl.constexpr, FP8_MAX: tl.constexpr):
     # One program per token: its ROW = num_kv_heads * head_dim contiguous elements.
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -43,6 +68,8 @@ def _reshape_and_cache_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot
     mask = offs < tl.where(slot >= 0, ROW, 0)  # a padding token (slot -1) writes nothing
     k = tl.load(key_ptr + token * stride_key_token + offs, mask=mask)
     v = tl.load(value_ptr + token * stride_value_token + offs, mask=mask)
+    k = _to_cache(k, FP8_MANTISSA, FP8_MAX)
+    v = _to_cache(v, FP8_MANTISSA, FP8_MAX)
     tl.store(k_cache_ptr + slot * ROW + offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + slot * ROW + offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -61,12 +88,16 @@ def reshape_and_cache_triton(key: torch.Tensor, value: torch.Tensor, kv_cache: t
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    assert kv_cache.dtype != torch.int8, "int8 KV caches are written on the CPU only"
     assert kv_cache.is_contiguous(), "the kernel addresses the cache as [slots, kvh*hd]"
     key, value = _token_rows(key), _token_rows(value)
     row = num_kv_heads * head_dim
+    fp8 = is_fp8(kv_cache.dtype)
     _reshape_and_cache_kernel[(num_tokens,)](
         key, value, kv_cache[0], kv_cache[1], slot_mapping,
-        key.stride(0), value.stride(0), ROW=row, BLOCK=triton.next_power_of_2(row))
+        key.stride(0), value.stride(0), ROW=row, BLOCK=triton.next_power_of_2(row),
+        FP8_MANTISSA=fp8_mantissa_bits(kv_cache.dtype),
+        FP8_MAX=fp8_max(kv_cache.dtype) if fp8 else 0.0)
 
 
 def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import is_fp8
+
 MAX_SPLITS = 16
 MIN_KEYS_PER_SPLIT = 256
 
@@ -89,7 +91,7 @@ def _ragged_paged_attention_kernel(
         SLIDING_WINDOW: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_DIM_PAD: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr = False):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -144,6 +146,9 @@ def _ragged_paged_attention_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        if KV_FP8:  # a one-byte cache: widen to the queries' dtype (scale 1.0)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
         visible = (k_pos[None, :] <= q_pos[:, None]) & k_ok[None, :]
         if SLIDING_WINDOW > 0:
@@ -224,19 +229,21 @@ def ragged_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
     under ``TRITON_INTERPRET=1``). ``max_query_len`` only picks the tile shape: any
     value is correct, the true one is fastest. Requests with no query rows are skipped;
     a query that sees no key (seq_len 0, CUDA-graph padding) gets zeros. ``block_n``:
-    keys per tile (a power of two, 16 at least; None: 64, or 32 for a float32 cache,
-    whose tiles take twice the shared memory).
+    keys per tile (a power of two, 16 at least; None: 64, or 32 for float32 queries,
+    whose tiles take twice the shared memory). An fp8 cache (memory.kv_cache_dtype) is
+    widened to the queries' dtype as it is loaded.
     """
     num_tokens, num_heads, head_dim = query.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     assert kv_cache.is_contiguous() and query.stride(2) == 1
+    assert kv_cache.dtype != torch.int8, "the Triton kernel reads no int8 KV cache"
     group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     num_reqs = seq_lens.shape[0]
     if num_tokens == 0 or num_reqs == 0:
         return out
     if block_n is None:
-        block_n = 32 if kv_cache.dtype == torch.float32 else 64
+        block_n = 32 if query.dtype == torch.float32 else 64
     assert num_splits & (num_splits - 1) == 0 and block_n >= 16
     block_m, block_q = tile_shape(group, max_query_len)
     head_dim_pad = triton.next_power_of_2(head_dim)
@@ -246,8 +253,8 @@ def ragged_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
                                dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32,
                                device=query.device)
-    upcast = _interpreting() and kv_cache.dtype == torch.bfloat16
-    precision = "ieee" if kv_cache.dtype == torch.float32 or upcast else "tf32"
+    upcast = _interpreting() and query.dtype == torch.bfloat16
+    precision = "ieee" if query.dtype == torch.float32 or upcast else "tf32"
     grid = (num_tokens // block_q + num_reqs, num_kv_heads, num_splits)
     _ragged_paged_attention_kernel[grid](
         out, part_out, part_lse, query, kv_cache[0], kv_cache[1],
@@ -257,7 +264,7 @@ def ragged_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,
         SLIDING_WINDOW=sliding_window or 0, GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_N=block_n, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad, PAGE=block_size, NUM_SPLITS=num_splits, UPCAST=upcast,
-        DOT_PRECISION=precision, num_warps=4)
+        DOT_PRECISION=precision, KV_FP8=is_fp8(kv_cache.dtype), num_warps=4)
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             out, part_out, part_lse, out.stride(0), out.stride(1), NUM_SPLITS=num_splits,

@@ -8,6 +8,9 @@ triton         CUDA: the whole ragged batch in one Triton kernel per layer, with
                described by device tensors (kernels/triton_paged_attention.py); on a CPU
                only under TRITON_INTERPRET=1 (tests)
 =============  ==========================================================================
+
+All three read an fp8 KV cache (memory.kv_cache_dtype); an int8 one only the torch
+reference reads, so int8 runs on the CPU under auto (which then takes torch) or torch.
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ import os
 from dataclasses import dataclass
 
 import torch
+
+from config.fields import ConfigError
 
 TORCH, NATIVE_CPU, TRITON = "torch", "native-cpu", "triton"
 
@@ -61,3 +66,17 @@ def make_attention_backend(name: str, device: torch.device,
     if name == TRITON and device.type == "cuda":
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     return AttentionBackend(name, device, num_kv_heads, num_sms)
+
+
+def check_kv_cache_dtype(kv_cache_dtype: torch.dtype, configured: str,
+                         device: torch.device) -> bool:
+    """Refuse a KV cache dtype the configured backend cannot read; True for int8 (then
+    the native CPU kernel must not be chosen either)."""
+    if kv_cache_dtype != torch.int8:
+        return False
+    if device.type != "cpu" or configured == TRITON:
+        raise ConfigError(
+            f"memory.kv_cache_dtype=int8 is read by the torch attention backend on the CPU "
+            f"only, not with worker.attention_backend={configured} on worker.device="
+            f"{device.type}; use memory.kv_cache_dtype=fp8 there", "memory.kv_cache_dtype")
+    return True

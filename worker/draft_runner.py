@@ -44,7 +44,8 @@ class DraftRunner:
 
     def __init__(self, path: str, target_arch: ModelArchitecture, dtype: torch.dtype,
                  device: torch.device, attention_backend: str, block_size: int,
-                 max_model_len: int, k_major_weights: bool):
+                 max_model_len: int, k_major_weights: bool,
+                 kv_cache_dtype: torch.dtype | None = None):
         loaded = load_model(path, dtype)
         self.arch = arch = loaded.architecture
         if arch.vocab_size != target_arch.vocab_size:
@@ -60,7 +61,8 @@ class DraftRunner:
             self.model.prepare_for_cpu()
         self.backend = make_attention_backend(attention_backend, device,
                                               arch.num_key_value_heads)
-        self.kv_spec = KVCacheSpec.for_model(arch, block_size, dtype)
+        # the target's KV dtype (memory.kv_cache_dtype), so both pools shrink together
+        self.kv_spec = KVCacheSpec.for_model(arch, block_size, kv_cache_dtype or dtype)
         self.block_size, self.device = block_size, device
         self.kv_caches: list[torch.Tensor] = []
 

@@ -11,14 +11,14 @@ from config.speculative import SpeculativeConfig
 from engine_core.outputs import ModelRunnerOutput
 from engine_core.scheduler_output import SchedulerOutput
 from observability.logging import get_logger
-from worker.attention_backend import (NATIVE_CPU, AttentionBackend, choose_attention_backend,
-                                     make_attention_backend)
+from worker.attention_backend import (NATIVE_CPU, AttentionBackend, check_kv_cache_dtype,
+                                     choose_attention_backend, make_attention_backend)
 from worker.device import resolve_device, resolve_dtype
 from worker.distributed.step_channel import StepChannel
 from worker.distributed.tp_group import TPGroup
 from worker.draft_runner import DraftRunner
 from worker.input_batch import InputBatch, build_input_batch
-from worker.kv_cache import KVCacheSpec, copy_blocks
+from worker.kv_cache import KVCacheSpec, copy_blocks, resolve_kv_cache_dtype
 from worker.kv_pool import initialize_kv_pool
 from worker.linear_backend import choose_linear_backends
 from worker.loader import load_model
@@ -88,6 +88,7 @@ class ModelRunner:
                   k_major_weights=k_major_weights, quantization=self.quantization,
                   architecture=self.arch.architecture, seconds=round(self.load_seconds, 2))
         self.block_size = memory_config.block_size
+        self.kv_cache_dtype = resolve_kv_cache_dtype(memory_config.kv_cache_dtype, self.dtype)
         self.channel = (StepChannel(tp, self.arch.hidden_size, self.dtype)
                         if tp is not None and tp.is_first else None)
         self.kv_caches: list[torch.Tensor] = []
@@ -106,12 +107,15 @@ class ModelRunner:
         self.draft_runner = DraftRunner(
             spec.draft_model, self.arch, self.dtype, self.device, self.attention_backend.name,
             self.block_size, self.max_model_len, worker_config.k_major_weights,
-        ) if spec.method == "draft_model" else None
+            self.kv_cache_dtype) if spec.method == "draft_model" else None
 
     def _pick_attention_backend(self) -> AttentionBackend:
         from kernels import cpu_extension, cpu_paged_attention
-        name = choose_attention_backend(self.worker_config.attention_backend, self.device,
-                                        cpu_paged_attention.is_available)
+        int8 = check_kv_cache_dtype(self.kv_cache_dtype, self.worker_config.attention_backend,
+                                    self.device)
+        name = choose_attention_backend(
+            self.worker_config.attention_backend, self.device,
+            lambda: not int8 and cpu_paged_attention.is_available())
         extra = {}
         if self.device.type == "cpu" and cpu_extension.load_seconds is not None:
             extra["build_or_load_seconds"] = round(cpu_extension.load_seconds, 2)
@@ -120,7 +124,7 @@ class ModelRunner:
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """One block's layout on this rank (its KV heads only, under tensor parallelism)."""
-        return KVCacheSpec.for_model(self.arch, self.block_size, self.dtype,
+        return KVCacheSpec.for_model(self.arch, self.block_size, self.kv_cache_dtype,
                                      self.model.shard.num_kv_heads)
 
     @property

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #include <cstdint>
@@ -69,6 +71,30 @@ inline vf load(const c10::Half* p) {
   for (int i = 0; i < kLanes; ++i) v[i] = static_cast<float>(p[i]);
 #endif
   return v;
+}
+
+// fp8 (a quantized KV cache, scale 1.0) widens through the fp16 conversion. e5m2 is the
+// top byte of an fp16. e4m3fn's sign, exponent and mantissa placed in an fp16's fields
+// (s eeee mmm -> s 0eeee mmm0000000) read as the value times 2^(7 - 15): exponent bias
+// 7 against fp16's 15, so one multiply by 2^8 restores it, subnormals included (e4m3fn's
+// NaN, which the saturating store never writes, would read as a finite number).
+inline vf load(const c10::Float8_e5m2* p) {
+  c10::Half h[kLanes];
+  for (int i = 0; i < kLanes; ++i) {
+    const uint16_t bits = static_cast<uint16_t>(p[i].x) << 8;
+    std::memcpy(h + i, &bits, sizeof bits);
+  }
+  return load(h);
+}
+
+inline vf load(const c10::Float8_e4m3fn* p) {
+  c10::Half h[kLanes];
+  for (int i = 0; i < kLanes; ++i) {
+    const uint16_t b = p[i].x;
+    const uint16_t bits = static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7F) << 7));
+    std::memcpy(h + i, &bits, sizeof bits);
+  }
+  return load(h) * 256.f;
 }
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
@@ -179,6 +205,16 @@ inline const float* row_as_float(const c10::Half* src, float* buf, int64_t n) {
   }
 #endif
   for (; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  return buf;
+}
+
+inline const float* row_as_float(const c10::Float8_e4m3fn* src, float* buf, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  return buf;
+}
+
+inline const float* row_as_float(const c10::Float8_e5m2* src, float* buf, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(src[i]);
   return buf;
 }
 

@@ -29,7 +29,9 @@
 // accumulator acc_g = sum exp(s - m_g) * v. Per chunk and kv head: the K pass computes
 // the scores, the chunk max raises m_g (l_g and acc_g rescaled by exp(m_old - m_new)),
 // then the V pass adds exp(s - m_new) * v. Output = acc_g / l_g. All arithmetic is
-// float32 whatever the storage dtype (bf16/fp16 are widened as they are loaded).
+// float32 whatever the storage dtype (bf16/fp16 are widened as they are loaded). The
+// cache may hold fp8 (memory.kv_cache_dtype, scale 1.0) under 16- or 32-bit queries:
+// its rows are widened the same way (template parameter C, the cache's element type).
 // Meanwhile the next chunk's rows are prefetched (see Prefetcher).
 //
 // Visible keys of request r: positions [start, seq_len) where start = 0, or, with a
@@ -317,11 +319,11 @@ inline void widen_rows(const T* const* rows, int64_t n, float* buf, const float*
 // query heads), softmax step, V pass. The item's kv heads are adjacent in a slot row,
 // so the chunk's slots are read as contiguous runs (whole blocks when nkv = kv_heads),
 // and each slot is fetched from memory once: later kv heads hit the cache.
-template <typename T, int64_t HD>
+template <typename T, typename C, int64_t HD>
 void attend_one(const Shape& sh, int64_t d, int64_t kv0, int64_t nkv, const T* query,
-                const T* cache, const int64_t* table, int64_t seq_len, float scale,
+                const C* cache, const int64_t* table, int64_t seq_len, float scale,
                 int64_t window, T* out, Scratch& ws) {
-  using Ops = RowOps<T, HD>;
+  using Ops = RowOps<C, HD>;
   const int64_t hd = sh.head_dim;
   const int64_t G = sh.group;
   const int64_t nh = nkv * G;
@@ -329,8 +331,8 @@ void attend_one(const Shape& sh, int64_t d, int64_t kv0, int64_t nkv, const T* q
   float* q = ws.q.data();
   float* acc = ws.acc.data();
   float* s = ws.s.data();
-  const T* rows[kChunk];
-  const float* keys[kChunk];  // rows widened to float (bf16/fp16 K pass)
+  const C* rows[kChunk];
+  const float* keys[kChunk];  // rows widened to float (bf16/fp16/fp8 K pass)
   float* tmp = ws.tmp.data();
   int64_t* offs = ws.offs.data();
 
@@ -348,9 +350,9 @@ void attend_one(const Shape& sh, int64_t d, int64_t kv0, int64_t nkv, const T* q
   int64_t* next_offs = ws.next_offs.data();
   Prefetcher pf;
   pf.keys = reinterpret_cast<const char*>(cache + kv0 * hd);
-  pf.plane_bytes = sh.plane_stride * static_cast<int64_t>(sizeof(T));
-  pf.span_bytes = nkv * hd * static_cast<int64_t>(sizeof(T));
-  pf.elem = sizeof(T);
+  pf.plane_bytes = sh.plane_stride * static_cast<int64_t>(sizeof(C));
+  pf.span_bytes = nkv * hd * static_cast<int64_t>(sizeof(C));
+  pf.elem = sizeof(C);
   // The first chunk has nothing to hide behind: request it up front.
   const int64_t n0 = std::min(kChunk, seq_len - start);
   for (int64_t j = 0; j < n0; ++j) next_offs[j] = ahead.next();
@@ -369,7 +371,7 @@ void attend_one(const Shape& sh, int64_t d, int64_t kv0, int64_t nkv, const T* q
     for (int64_t kv = kv0; kv < kv0 + nkv; ++kv) {
       const int64_t h = (kv - kv0) * G;  // first local query head of this kv head
       row_pointers(cache + kv * hd, offs, n, rows);
-      if constexpr (HD > 0 && !std::is_same_v<T, float>) {
+      if constexpr (HD > 0 && !std::is_same_v<C, float>) {
         widen_rows<HD>(rows, n, ws.keys.data(), keys);
         RowOps<float, HD>::scores(q + h * hd, G, keys, n, s, hd, tmp, pf);
       } else {
@@ -395,8 +397,8 @@ void attend_one(const Shape& sh, int64_t d, int64_t kv0, int64_t nkv, const T* q
   }
 }
 
-template <typename T, int64_t HD>
-void run_decode(const Shape& sh, const T* query, const T* cache, const int64_t* tables,
+template <typename T, typename C, int64_t HD>
+void run_decode(const Shape& sh, const T* query, const C* cache, const int64_t* tables,
                 const int64_t* seq_lens, float scale, int64_t window, T* out) {
   const int64_t num_items = sh.num_decodes * sh.items_per_req;
   // Requests are ragged, so a static split would leave a thread idle: each thread
@@ -409,10 +411,23 @@ void run_decode(const Shape& sh, const T* query, const T* cache, const int64_t* 
       const int64_t d = item / sh.items_per_req;
       const int64_t kv0 = (item % sh.items_per_req) * sh.kv_per_item;
       const int64_t nkv = std::min(sh.kv_per_item, sh.num_kv_heads - kv0);
-      attend_one<T, HD>(sh, d, kv0, nkv, query, cache, tables + d * sh.max_blocks,
+      attend_one<T, C, HD>(sh, d, kv0, nkv, query, cache, tables + d * sh.max_blocks,
                         seq_lens[d], scale, window, out, ws);
     }
   });
+}
+
+// Head dims that fill whole vectors get register-blocked row operations.
+template <typename T, typename C>
+void run_for_head_dim(const Shape& sh, const T* query, const C* cache, const int64_t* tables,
+                      const int64_t* seq_lens, float scale, int64_t window, T* out) {
+  if (sh.head_dim == 64) {
+    run_decode<T, C, 64>(sh, query, cache, tables, seq_lens, scale, window, out);
+  } else if (sh.head_dim == 128) {
+    run_decode<T, C, 128>(sh, query, cache, tables, seq_lens, scale, window, out);
+  } else {
+    run_decode<T, C, 0>(sh, query, cache, tables, seq_lens, scale, window, out);
+  }
 }
 
 // Work items per request: whole slot rows (all kv heads, the most contiguous reads)
@@ -438,8 +453,10 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& kv_
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2,
               "kv_cache must be [2, num_blocks, block_size, num_kv_heads, head_dim]");
   TORCH_CHECK(kv_cache.is_contiguous(), "kv_cache must be contiguous");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(),
-              "query and kv_cache must share a dtype");
+  const auto cache_type = kv_cache.scalar_type();
+  TORCH_CHECK(cache_type == query.scalar_type() || cache_type == at::kFloat8_e4m3fn ||
+                  cache_type == at::kFloat8_e5m2,
+              "kv_cache must have the query's dtype or be float8_e4m3fn / float8_e5m2");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "block_tables and seq_lens must be int64");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == query.size(0),
@@ -495,15 +512,16 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& kv_
           TORCH_CHECK(false, "paged_attention_decode: float64 is not supported");
         } else {
           const scalar_t* qp = q.const_data_ptr<scalar_t>();
-          const scalar_t* cp = kv_cache.const_data_ptr<scalar_t>();
           scalar_t* op = out.data_ptr<scalar_t>();
-          // Head dims that fill whole vectors get register-blocked row operations.
-          if (sh.head_dim == 64) {
-            run_decode<scalar_t, 64>(sh, qp, cp, tab, len, fscale, window, op);
-          } else if (sh.head_dim == 128) {
-            run_decode<scalar_t, 128>(sh, qp, cp, tab, len, fscale, window, op);
+          if (cache_type == at::kFloat8_e4m3fn) {
+            run_for_head_dim(sh, qp, kv_cache.const_data_ptr<c10::Float8_e4m3fn>(), tab, len,
+                             fscale, window, op);
+          } else if (cache_type == at::kFloat8_e5m2) {
+            run_for_head_dim(sh, qp, kv_cache.const_data_ptr<c10::Float8_e5m2>(), tab, len,
+                             fscale, window, op);
           } else {
-            run_decode<scalar_t, 0>(sh, qp, cp, tab, len, fscale, window, op);
+            run_for_head_dim(sh, qp, kv_cache.const_data_ptr<scalar_t>(), tab, len, fscale,
+                             window, op);
           }
         }
       });

@@ -25,7 +25,8 @@ def cache_config_info(config: FolioConfig, facts: ModelFacts) -> dict[str, str]:
     memory, cache = config.memory, config.cache
     return {"block_size": str(facts.block_size), "num_gpu_blocks": str(facts.num_blocks),
             "num_gpu_blocks_override": str(memory.num_blocks),
-            "cache_dtype": facts.dtype, "device": facts.device,
+            "cache_dtype": (facts.dtype if memory.kv_cache_dtype == "auto"
+                            else memory.kv_cache_dtype), "device": facts.device,
             "gpu_memory_utilization": str(memory.gpu_memory_utilization),
             "kv_cache_memory_bytes": str(memory.kv_cache_bytes),
             "enable_prefix_caching": str(cache.enable_prefix_caching),

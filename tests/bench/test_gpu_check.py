@@ -2,7 +2,7 @@
 
 It builds the wheel folder from the package index, checks its size and tags, installs
 it as the GPU machine would, then runs the kernel tests (interpreted), the offline
-sm_90 compile, the worker tests (the GPU ones skip), parity against Hugging Face and
+sm_90 compile, the worker tests (the GPU ones skip), the fp8 KV cache kernels, parity against Hugging Face and
 both benchmarks on 2-layer versions of the random checkpoints, then the LoRA kernels and
 the LoRA benchmark (tiny model). It ends with one JSON summary, checked here section by
 section.
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SECTIONS = ["preflight", "wheels-build", "wheels", "kernels", "compile", "worker", "parity",
-            "bench-small", "bench-1b", "lora-kernels", "lora-bench"]
+SECTIONS = ["preflight", "wheels-build", "wheels", "kernels", "compile", "worker", "kv-fp8",
+            "parity", "bench-small", "bench-1b", "lora-kernels", "lora-bench"]
 
 
 @pytest.mark.skipif(shutil.which("timeout") is None, reason="needs coreutils' timeout")

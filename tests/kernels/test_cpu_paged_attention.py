@@ -86,6 +86,47 @@ def test_matches_reference(head_dim, block_size, num_kv_heads, group, window, dt
         torch.testing.assert_close(out.float(), ref32, atol=2 * eps, rtol=2 * eps)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 80])  # register-blocked rows and the any-dim path
+def test_fp8_cache_matches_reference(head_dim, dtype, kv_dtype):
+    """An fp8 cache (memory.kv_cache_dtype) under 32- or 16-bit queries: the kernel reads
+    each element as the reference widens it (the cache's exact values)."""
+    from kernels.kv_quant import quantize_kv
+    q, cache, tables, lens = make_decode_batch(lens_for(4), 4, 6, 2, head_dim, dtype,
+                                               q_scale=2.0)
+    cache = quantize_kv(cache.float() * 3, kv_dtype)  # |x| up to ~15: several exponents
+    window = 5 if head_dim == 80 else None
+    out = cpa.paged_attention_decode(q, cache, tables, lens, head_dim ** -0.5, window)
+    assert out.dtype == dtype
+    ref32 = reference(q.float(), cache.float(), tables, lens, head_dim ** -0.5, window)
+    tol = TOL[dtype] if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
+    torch.testing.assert_close(out.float(), ref32, atol=tol * 3, rtol=tol)
+    torch.testing.assert_close(out.float(), reference(q, cache, tables, lens, head_dim ** -0.5,
+                                                      window).float(),
+                               atol=TOL[dtype] * 3, rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("head_dim", [64, 80])
+def test_fp8_every_value_widens_exactly(head_dim, kv_dtype):
+    """One key per request: the output is that key's value row, so every finite fp8 bit
+    pattern (subnormals, zeros, the largest) must come back exactly as torch widens it."""
+    bits = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = torch.isfinite(bits.view(kv_dtype).float())
+    bits = bits[finite]
+    n = len(bits)
+    cache = torch.zeros(2, n + 1, 1, 1, head_dim, dtype=torch.uint8)
+    cache[1, 1:, 0, 0, :] = bits[:, None]  # request r's value row: bit pattern r everywhere
+    cache = cache.view(kv_dtype)
+    tables = torch.arange(1, n + 1, dtype=torch.int64)[:, None]
+    q = torch.zeros(n, 1, head_dim)
+    out = cpa.paged_attention_decode(q, cache, tables, torch.ones(n, dtype=torch.int64), 1.0)
+    assert torch.equal(out[:, 0, :], bits.view(kv_dtype).float()[:, None].expand(n, head_dim))
+
+
 @pytest.mark.parametrize("head_dim", [16, 80, 96])
 def test_other_head_dims(head_dim):
     q, cache, tables, lens = make_decode_batch([1, 7, 33, 100], 4, 6, 2, head_dim,

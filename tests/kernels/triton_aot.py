@@ -79,7 +79,7 @@ class Recorder:
 
 def _call_launchers(device: str) -> None:
     """The launchers over representative shapes (decode, split-KV, prefill, GQA 4 with a
-    window, float32; cache writes, norms, rotary)."""
+    window, float32, fp8 KV caches; cache writes, norms, rotary)."""
     i32 = torch.int32
     for dtype, heads, kv_heads, head_dim, page, max_q, window, splits in [
             (torch.bfloat16, 9, 3, 64, 16, 1, None, 1),  # SmolLM2 decode
@@ -94,8 +94,17 @@ def _call_launchers(device: str) -> None:
                                    torch.ones(2, dtype=i32, device=device),
                                    torch.tensor([0, 1, 3], dtype=i32, device=device),
                                    max_q, 0.125, window, splits)
+    for kv_dtype, max_q in [(torch.float8_e4m3fn, 1), (torch.float8_e5m2, 64)]:
+        # an fp8 KV cache under bf16 queries (memory.kv_cache_dtype): decode, prefill
+        cache = torch.empty(2, 4, 16, 3, 64, dtype=kv_dtype, device=device)
+        query = torch.empty(3, 9, 64, dtype=torch.bfloat16, device=device)
+        tpa.ragged_paged_attention(query, cache, torch.zeros(2, 2, dtype=i32, device=device),
+                                   torch.ones(2, dtype=i32, device=device),
+                                   torch.tensor([0, 1, 3], dtype=i32, device=device),
+                                   max_q, 0.125)
     for key_dtype, cache_dtype in [(torch.bfloat16, torch.bfloat16),
-                                   (torch.float32, torch.float16)]:
+                                   (torch.float32, torch.float16),
+                                   (torch.bfloat16, torch.float8_e4m3fn)]:
         key = torch.empty(3, 3, 64, dtype=key_dtype, device=device)
         reshape_and_cache.reshape_and_cache_triton(
             key, key, torch.empty(2, 4, 16, 3, 64, dtype=cache_dtype, device=device),

@@ -135,6 +135,12 @@ def test_tp2_tiny_llama_matches_size_one(tiny_llama_dir, default_model_path):
     check_against_size_one(tiny_llama_dir, 2, tokenizer=str(default_model_path))
 
 
+def test_tp2_with_an_fp8_kv_cache_matches_size_one(tiny_llama_dir, default_model_path):
+    """Each rank rounds its own KV heads into its fp8 pool exactly as one process would."""
+    check_against_size_one(tiny_llama_dir, 2, tokenizer=str(default_model_path),
+                           kv_cache_dtype="fp8")
+
+
 def test_tp2_tiny_qwen2_with_qkv_bias_and_untied_head_matches_size_one(
         tiny_qwen2_dir, default_model_path):
     check_against_size_one(tiny_qwen2_dir, 2, tokenizer=str(default_model_path))
