@@ -189,11 +189,12 @@ class FairPlanner:
                     and remaining <= s.config.max_num_batched_tokens)
         need = remaining if is_whole else 1  # tokens the newcomer must be granted
 
-        def frees_enough(victim: Request) -> bool:
+        def may_give_way(victim: Request) -> bool:
             freed = plan.num_scheduled_tokens.get(victim.req_id, 0)
-            return plan.token_budget + freed >= need
+            return (plan.token_budget + freed >= need
+                    and not s.kv_cache_manager.lends_pending_blocks(victim))
 
-        victim = pick_share_victim(s.running, shares, admitted, frees_enough)
+        victim = pick_share_victim(s.running, shares, admitted, may_give_way)
         if victim is None:
             return None, 0
         s.preempt(victim, plan)

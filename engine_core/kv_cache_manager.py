@@ -222,6 +222,15 @@ class KVCacheManager:
                 self.block_pool.drop_hash(block)
         self.block_pool.free_blocks(reversed(blocks))
 
+    def lends_pending_blocks(self, request: Request) -> bool:
+        """Whether another request holds one of ``request``'s blocks past its computed
+        tokens: a prefix hit taken this step on K/V that only ``request``'s grant in
+        this step would write. Preempting ``request`` now would leave that holder
+        counting K/V nobody computes, so such a request is not preempted this step."""
+        blocks = self.req_to_blocks.get(request.req_id, [])
+        return any(b.ref_cnt > 1
+                   for b in blocks[request.num_computed_tokens // self.block_size:])
+
     def fork(self, parent: Request, child: Request, num_shared_tokens: int) -> ForkResult:
         """Give ``child`` the parent's K/V for its first ``num_shared_tokens`` tokens.
 

@@ -2,7 +2,7 @@
 invariant of test_properties.py (no block leaks, reference counts exact and never
 negative, budget and max_num_seqs respected, every request finishes with the tokens
 it would get alone) plus the fair queue's own bookkeeping and the no-thrash rule."""
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.engine_core.test_properties import Harness, configs
@@ -46,5 +46,15 @@ class FairHarness(Harness):
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=fair_configs(), burst=st.lists(fair_add, max_size=8), script=fair_ops)
+# q4's admission hits the block q3's grant of this step would write; q3 was then
+# preempted for share in the same step, and q4 read K/V nobody computed
+@example(cfg={"num_blocks": 7, "block_size": 1, "max_model_len": 4,
+              "max_num_batched_tokens": 3, "max_num_seqs": 3, "enable_chunked_prefill": True,
+              "policy": "fair", "enable_prefix_caching": True},
+         burst=[("add", 1, 1, 1, None, 0, 0, "a", 0.25), ("add", 1, 1, 2, None, 0, 0, "a", 0.25),
+                ("add", 1, 1, 1, None, 0, 0, "a", 1.0), ("add", 2, 1, 1, None, 0, 2, None, 0.25),
+                ("add", 3, 1, 1, None, 0, 2, None, 0.25)],
+         script=[("add", 1, 1, 1, None, 0, 0, None, 0.25), ("abort", 5), ("step", 1),
+                 ("abort", 0)])
 def test_fair_random_workloads_keep_invariants_and_finish(cfg, burst, script):
     FairHarness(cfg).run(burst, script)
