@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # ConfigError and every section are importable from here: the tree's one front door.
+from config.deterministic import check_deterministic_supported
 from config.fields import ConfigError, _check, _f  # noqa: F401
 from config.lora import LoRAConfig
 from config.parallel import ParallelConfig
@@ -140,6 +141,12 @@ class WorkerConfig:
     extension_cls: str | None = _f(None, "'package.module:Class' whose public methods "
                                    "LLM.collective_rpc may call on the worker (constructed "
                                    "with the ModelRunner); null: none")
+    deterministic: bool = _f(False, "CPU: batch-invariant kernels, so a request's tokens "
+                             "and logprobs are the same bits whatever shares its batch, "
+                             "however its prefill is chunked and whether its prefix came "
+                             "from the cache (README, \"Deterministic mode\": its cost); "
+                             "needs the native CPU kernels; refused with LoRA, speculative "
+                             "decoding, tensor parallelism and CUDA")
 
     def __post_init__(self):
         _check(self.device in DEVICES, "worker.device",
@@ -215,3 +222,6 @@ class FolioConfig:
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self):
+        check_deterministic_supported(self)

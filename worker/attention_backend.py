@@ -8,6 +8,12 @@ triton         CUDA: the whole ragged batch in one Triton kernel per layer, with
                described by device tensors (kernels/triton_paged_attention.py); on a CPU
                only under TRITON_INTERPRET=1 (tests)
 =============  ==========================================================================
+
+Deterministic mode (worker.deterministic) keeps native-cpu but sets ``per_token_rows``:
+every query token, prefill or decode, becomes its own decode row for the native kernel,
+which walks the row's keys from position 0 in fixed chunks of 64 in one fixed order.
+A token's attention is then the same bits whether its prompt was computed in one chunk,
+in many, or found in the prefix cache, and whatever else is in the step.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ class AttentionBackend:
     device: torch.device
     num_kv_heads: int = 0  # triton: the split-KV heuristic counts programs per KV head
     num_sms: int | None = None  # triton on CUDA: multiprocessors; None never splits KV
+    per_token_rows: bool = False  # native-cpu, deterministic mode: one decode row a token
 
     @property
     def is_triton(self) -> bool:

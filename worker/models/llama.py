@@ -26,7 +26,8 @@ from kernels.rms_norm import rms_norm
 from kernels.rotary_embedding import rotary_embedding
 from worker.distributed.model_shard import ModelShard
 from worker.models.architecture import ModelArchitecture
-from worker.models.linear import Linear, k_major, linear, use_k_major_weights, wants_k_major
+from worker.models.linear import (Linear, invariant_linear, k_major, linear,
+                                  use_invariant_linears, use_k_major_weights, wants_k_major)
 from worker.models.rotary_embedding import RotaryAngles, RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -172,6 +173,14 @@ class LlamaForCausalLM(nn.Module):
         # A tied head reads the embedding matrix, whose rows the lookup needs row-major;
         # prepare_for_cpu() may give the head its own K-major copy instead.
         self.head_weight: torch.Tensor | None = None
+        self.head_linear = linear  # invariant_linear in deterministic mode
+
+    def make_batch_invariant(self) -> None:
+        """Deterministic mode: every projection and the LM head compute each row
+        independently of the rows beside it (worker/models/linear.py). Norms, rotary,
+        activations and the embedding already work row by row."""
+        use_invariant_linears(self)
+        self.head_linear = invariant_linear
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], ctx: AttentionContext,
@@ -194,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
         weight = self.head_weight
         if weight is None:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = linear(hidden, weight).float()
+        logits = self.head_linear(hidden, weight).float()
         if self.tp is None:
             return logits
         logits = self.tp.gather_last_dim(logits)
