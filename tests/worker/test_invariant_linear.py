@@ -29,6 +29,20 @@ def test_each_row_is_the_same_bits_at_any_row_count(dtype, layout, k, n):
         assert torch.equal(invariant_linear(x[-rows:], weight, bias), full[-rows:]), rows
 
 
+def test_native_half_kernel_rows_are_the_same_bits_at_any_row_count():
+    # the path invariant_linear takes for bf16 on a CPU without bf16 instructions
+    from kernels import cpu_extension
+    if not cpu_extension.is_available():
+        pytest.skip(f"native CPU kernels: {cpu_extension.unavailable_reason()}")
+    gen = torch.Generator().manual_seed(3)
+    weight = (torch.randn(960, 576, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(600, 576, generator=gen).bfloat16()
+    full = cpu_extension.require().half_linear(x, weight, None)
+    for rows in ROW_COUNTS:
+        assert torch.equal(cpu_extension.require().half_linear(x[-rows:], weight, None),
+                           full[-rows:]), rows
+
+
 def test_matches_linear_up_to_rounding_and_keeps_leading_dims():
     weight, x = torch.randn(32, 64), torch.randn(2, 3, 64)
     out = invariant_linear(x, weight)

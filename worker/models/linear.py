@@ -30,7 +30,9 @@ Two measured effects on a 2-core AVX-512 CPU (SmolLM2's projection shapes):
 Deterministic mode (``worker.deterministic``) needs every row's result to be the same
 bits whatever other rows share the call, and :func:`half_path`'s choice by row count
 breaks that. :func:`invariant_linear` therefore takes one path per dtype (16-bit weights
-on a CPU without 16-bit arithmetic always widen) and pads the rows up to a multiple of
+on a CPU without 16-bit arithmetic always take the native kernel, whose outputs each sum
+their K products in one fixed order whatever the row count, or widen where it does not
+take the weight) and pads the rows up to a multiple of
 ``INVARIANT_ROW_MULTIPLE``. Measured on this project's AVX-512 CPUs, torch's float32 GEMM
 computes rows in groups of 4 and sums a leftover 1-3 rows (at 1-11 rows) with another
 kernel that rounds differently; at a multiple of 4 rows, from 4 up to 2048, every row
@@ -118,8 +120,11 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor,
     if pad:
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
     if lacks_half_arithmetic(x.dtype, x.device):
-        out = F.linear(x.float(), weight.float(),
-                       None if bias is None else bias.float()).to(x.dtype)
+        if kernel_takes(weight):  # one fixed K order per output, at any row count
+            out = cpu_extension.require().half_linear(x, weight, bias)
+        else:
+            out = F.linear(x.float(), weight.float(),
+                           None if bias is None else bias.float()).to(x.dtype)
     else:
         out = F.linear(x, weight, bias)
     return out[:rows].reshape(*shape[:-1], weight.shape[0])
