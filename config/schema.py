@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # ConfigError and every section are importable from here: the tree's one front door.
+from config.deterministic import check_deterministic_supported
 from config.fields import ConfigError, _check, _f  # noqa: F401
 from config.lora import LoRAConfig
 from config.parallel import ParallelConfig
@@ -168,6 +169,12 @@ class WorkerConfig:
     extension_cls: str | None = _f(None, "'package.module:Class' whose public methods "
                                    "LLM.collective_rpc may call on the worker (constructed "
                                    "with the ModelRunner); null: none")
+    deterministic: bool = _f(False, "CPU: batch-invariant kernels, so a request's tokens "
+                             "and logprobs are the same bits whatever shares its batch, "
+                             "however its prefill is chunked and whether its prefix came "
+                             "from the cache (README, \"Deterministic mode\": its cost); "
+                             "needs the native CPU kernels; refused with LoRA, speculative "
+                             "decoding, tensor parallelism and CUDA")
 
     def __post_init__(self):
         _check(self.device in DEVICES, "worker.device",
@@ -253,3 +260,4 @@ class FolioConfig:
                    or getattr(self.services, key) is None, f"services.{key}",
                    "data_parallel_size > 1 needs unix sockets (services.socket_dir): one "
                    "address cannot name every replica")
+        check_deterministic_supported(self)

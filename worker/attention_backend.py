@@ -11,6 +11,11 @@ triton         CUDA: the whole ragged batch in one Triton kernel per layer, with
 
 All three read an fp8 KV cache (memory.kv_cache_dtype); an int8 one only the torch
 reference reads, so int8 runs on the CPU under auto (which then takes torch) or torch.
+Deterministic mode (worker.deterministic) keeps native-cpu but sets ``per_token_rows``:
+every query token, prefill or decode, becomes its own decode row for the native kernel,
+which walks the row's keys from position 0 in fixed chunks of 64 in one fixed order.
+A token's attention is then the same bits whether its prompt was computed in one chunk,
+in many, or found in the prefix cache, and whatever else is in the step.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ class AttentionBackend:
     device: torch.device
     num_kv_heads: int = 0  # triton: the split-KV heuristic counts programs per KV head
     num_sms: int | None = None  # triton on CUDA: multiprocessors; None never splits KV
+    per_token_rows: bool = False  # native-cpu, deterministic mode: one decode row a token
 
     @property
     def is_triton(self) -> bool:

@@ -18,6 +18,9 @@ row's attention is computed exactly as a plain decode step would compute it::
 
     tokens     [ d0 | v0 v1 v2 | p0 p0 ]     v: last token + 2 drafts at 40, 41, 42
     rows       [ d0 | v0 | v1 | v2 | p0 p0 ] seq_lens [17, 41, 42, 43, 2]
+
+In deterministic mode (``backend.per_token_rows``) every chunk is split that way, prefill
+chunks included: each token's attention is then computed exactly as its decode would be.
 """
 from __future__ import annotations
 
@@ -83,12 +86,12 @@ def _is_verify(state: CachedRequestState, num_scheduled: int) -> bool:
     return bool(state.spec_token_ids) and num_scheduled == len(state.spec_token_ids) + 1
 
 
-def _decode_rows(states, counts, seq_lens, block_tables):
-    """Attention rows with each verify chunk split into one decode row per token:
-    (query_start_loc, seq_lens, block_tables) of the rows."""
+def _decode_rows(states, counts, seq_lens, block_tables, every_chunk: bool):
+    """Attention rows with each verify chunk (``every_chunk``: each chunk) split into one
+    decode row per token: (query_start_loc, seq_lens, block_tables) of the rows."""
     query_lens, row_lens, row_req = [], [], []
     for r, (state, n) in enumerate(zip(states, counts)):
-        if _is_verify(state, n):
+        if every_chunk or _is_verify(state, n):
             query_lens.extend([1] * n)
             row_lens.extend(range(seq_lens[r] - n + 1, seq_lens[r] + 1))
             row_req.extend([r] * n)
@@ -111,9 +114,10 @@ def build_input_batch(states: list[CachedRequestState], num_scheduled: list[int]
     # count as decode rows, module doc); within each part, requests of one LoRA adapter
     # side by side, so the LoRA kernels see few runs
     as_decodes = not backend.is_triton
+    every_chunk = as_decodes and backend.per_token_rows
     order = sorted(range(len(states)), key=lambda i: (not (
-        num_scheduled[i] == 1 or as_decodes and _is_verify(states[i], num_scheduled[i])),
-        states[i].lora_id))
+        num_scheduled[i] == 1 or every_chunk
+        or as_decodes and _is_verify(states[i], num_scheduled[i])), states[i].lora_id))
     states = [states[i] for i in order]
     counts = [num_scheduled[i] for i in order]
     query_start_loc, seq_lens = [0], []
@@ -129,9 +133,9 @@ def build_input_batch(states: list[CachedRequestState], num_scheduled: list[int]
     input_ids, positions, slot_mapping, block_tables = _token_arrays(
         states, counts, query_start_loc, block_size)
     request_start_loc = query_start_loc
-    if as_decodes and any(_is_verify(s, n) for s, n in zip(states, counts)):
+    if every_chunk or as_decodes and any(_is_verify(s, n) for s, n in zip(states, counts)):
         query_start_loc, seq_lens, block_tables = _decode_rows(states, counts, seq_lens,
-                                                               block_tables)
+                                                               block_tables, every_chunk)
     arrays = StepArrays(np.asarray(input_ids, dtype=np.int64), positions, slot_mapping,
                         query_start_loc, seq_lens, block_tables)
     input_ids, positions, attn, logits_indices = batch_tensors(

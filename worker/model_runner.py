@@ -13,6 +13,7 @@ from engine_core.scheduler_output import SchedulerOutput
 from observability.logging import get_logger
 from worker.attention_backend import (NATIVE_CPU, AttentionBackend, check_kv_cache_dtype,
                                      choose_attention_backend, make_attention_backend)
+from worker.deterministic import make_deterministic
 from worker.device import resolve_device, resolve_dtype
 from worker.distributed.step_channel import StepChannel
 from worker.distributed.tp_group import TPGroup
@@ -119,8 +120,12 @@ class ModelRunner:
         extra = {}
         if self.device.type == "cpu" and cpu_extension.load_seconds is not None:
             extra["build_or_load_seconds"] = round(cpu_extension.load_seconds, 2)
-        log.debug("attention backend", backend=name, device=str(self.device), **extra)
-        return make_attention_backend(name, self.device, self.model.shard.num_kv_heads)
+        log.debug("attention backend", backend=name, device=str(self.device),
+                  deterministic=self.worker_config.deterministic, **extra)
+        backend = make_attention_backend(name, self.device, self.model.shard.num_kv_heads)
+        if self.worker_config.deterministic:
+            backend = make_deterministic(self.model, backend)
+        return backend
 
     def kv_cache_spec(self) -> KVCacheSpec:
         """One block's layout on this rank (its KV heads only, under tensor parallelism)."""

@@ -40,7 +40,7 @@ def test_live_keys_are_applied_and_listed_in_tree_order():
 @pytest.mark.parametrize("section,key,value", [
     ("model", "path", "other.gguf"), ("model", "dtype", "bfloat16"),
     ("memory", "block_size", 32), ("memory", "kv_cache_bytes", 1024),
-    ("worker", "device", "cpu"), ("services", "socket_dir", "/tmp/x"),
+    ("worker", "device", "cpu"), ("worker", "deterministic", True), ("services", "socket_dir", "/tmp/x"),
     ("services", "api_port", 9000), ("scheduler", "policy", "fair"),
     ("scheduler", "enable_chunked_prefill", False), ("cache", "enable_prefix_caching", False),
     ("api", "max_body_bytes", 8192), ("api", "num_tokenizer_threads", 4),

@@ -27,3 +27,23 @@ def test_verify_chunk_tokens_logits_and_decode_rows():
     assert batch.query_start_loc == [0, 1, 2, 3, 4, 10]
     assert batch.seq_lens == [10, 11, 12, 5, 6]
     assert batch.attn.plan.num_decodes == 4
+
+
+def test_deterministic_mode_makes_every_token_a_decode_row():
+    # worker.deterministic: prefill chunks too, one decode row per token over the
+    # request's blocks, so each token's attention is computed as its decode would be
+    import torch
+    from worker.attention_backend import NATIVE_CPU, AttentionBackend
+    backend = AttentionBackend(NATIVE_CPU, torch.device("cpu"), per_token_rows=True)
+    prefill = state("p", range(10, 16), 2, [7])  # 4 tokens after a cached 2-token prefix
+    decode = state("d", range(40, 45), 4, [5])
+    batch = build_input_batch([prefill, decode], [4, 1], 8, None, backend)
+    assert batch.input_ids.tolist() == [12, 13, 14, 15, 44]  # request order kept
+    assert batch.query_start_loc == [0, 1, 2, 3, 4, 5]
+    assert batch.seq_lens == [3, 4, 5, 6, 5]
+    assert batch.request_start_loc == [0, 4, 5]
+    plan = batch.attn.plan
+    assert plan.num_decodes == 5 and not plan.prefills
+    assert plan.decode_block_tables[:, 0].tolist() == [7, 7, 7, 7, 5]
+    assert [s.req_id for s in batch.sampling_states] == ["p", "d"]
+    assert batch.logits_indices.tolist() == [3, 4]

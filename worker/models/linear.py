@@ -28,6 +28,21 @@ Two measured effects on a 2-core AVX-512 CPU (SmolLM2's projection shapes):
 :func:`half_path` is the fixed rule; a layer given a measured choice
 (worker/linear_backend.py, which times every path of worker/models/linear_paths.py on
 the model's own shapes) follows that instead, and so does :func:`linear`.
+
+Deterministic mode (``worker.deterministic``) needs every row's result to be the same
+bits whatever other rows share the call, and a choice by row count (the rule's or the
+measured one) breaks that. :func:`invariant_linear` therefore takes one path per dtype (16-bit weights
+on a CPU without 16-bit arithmetic always take the native kernel, whose outputs each sum
+their K products in one fixed order whatever the row count, or widen where it does not
+take the weight) and pads the rows up to a multiple of
+``INVARIANT_ROW_MULTIPLE``. Measured on this project's AVX-512 CPUs, torch's float32 GEMM
+computes rows in groups of 4 and sums a leftover 1-3 rows (at 1-11 rows) with another
+kernel that rounds differently; at a multiple of 4 rows, from 4 up to 2048, every row
+came out bit-identical (the K order follows the shape's K and N, not M). The bf16 GEMM
+(AVX512-BF16) was row-invariant at every row count. tests/worker/
+test_invariant_linear.py checks this on the machine it runs on. Cutting the rows into
+fixed tiles of one M (a GEMM call per tile, or one bmm) was also row-invariant but
+measured 2-10x slower on prefill, so padding won.
 """
 from __future__ import annotations
 
@@ -79,6 +94,33 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
     return run_path(half_path(x, weight), x, weight, bias)
 
 
+# Row counts are padded to a multiple of this, so the float32 GEMM never leaves 1-3 rows
+# to its other kernel (see the module docstring).
+INVARIANT_ROW_MULTIPLE = 8
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` whose row ``i`` depends on ``x[i]`` alone, never on the row count
+    (deterministic mode): one path per dtype, the rows zero-padded to a multiple of
+    ``INVARIANT_ROW_MULTIPLE``."""
+    shape = x.shape
+    x = x.reshape(-1, shape[-1])
+    rows = x.shape[0]
+    pad = -rows % INVARIANT_ROW_MULTIPLE
+    if pad:
+        x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+    if lacks_half_arithmetic(x.dtype, x.device):
+        if kernel_takes(weight):  # one fixed K order per output, at any row count
+            out = cpu_extension.require().half_linear(x, weight, bias)
+        else:
+            out = F.linear(x.float(), weight.float(),
+                           None if bias is None else bias.float()).to(x.dtype)
+    else:
+        out = F.linear(x, weight, bias)
+    return out[:rows].reshape(*shape[:-1], weight.shape[0])
+
+
 def wants_k_major(dtype: torch.dtype) -> bool:
     """Whether weights of ``dtype`` are re-laid K-major on this CPU: float32 yes (its
     GEMM is faster so); 16-bit weights stay row-major where the native kernel can read
@@ -95,6 +137,24 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.choice)
+
+
+class InvariantLinear(Linear):
+    """A :class:`Linear` computing through :func:`invariant_linear` (deterministic mode;
+    :func:`use_invariant_linears` turns a model's layers into these in place, so the
+    default layers carry no switch at all)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return invariant_linear(x, self.weight, self.bias)
+
+
+def use_invariant_linears(model: nn.Module) -> int:
+    """Make every :class:`Linear` of ``model`` an :class:`InvariantLinear` (same
+    parameters, names and layout); returns how many."""
+    layers = [m for m in model.modules() if type(m) is Linear]
+    for layer in layers:
+        layer.__class__ = InvariantLinear
+    return len(layers)
 
 
 def k_major(weight: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ from kernels.rms_norm import rms_norm
 from kernels.rotary_embedding import rotary_embedding
 from worker.distributed.model_shard import ModelShard
 from worker.models.architecture import ModelArchitecture
-from worker.models.linear import Linear, k_major, linear, use_k_major_weights, wants_k_major
+from worker.models.linear import (Linear, invariant_linear, k_major, linear,
+                                  use_invariant_linears, use_k_major_weights, wants_k_major)
 from worker.models.rotary_embedding import RotaryAngles, RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -174,6 +175,14 @@ class LlamaForCausalLM(nn.Module):
         # quantized embedding's packed blocks, worker/models/quant_linear.py).
         self.head_weight = None
         self.head_choice = None  # the head's measured LinearChoice (linear_backend.py)
+        self.is_batch_invariant = False  # deterministic mode: make_batch_invariant()
+
+    def make_batch_invariant(self) -> None:
+        """Deterministic mode: every projection and the LM head compute each row
+        independently of the rows beside it (worker/models/linear.py). Norms, rotary,
+        activations and the embedding already work row by row."""
+        use_invariant_linears(self)
+        self.is_batch_invariant = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], ctx: AttentionContext,
@@ -196,7 +205,8 @@ class LlamaForCausalLM(nn.Module):
         weight = self.head_weight
         if weight is None:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = linear(hidden, weight, None, self.head_choice).float()
+        logits = (invariant_linear(hidden, weight) if self.is_batch_invariant
+                  else linear(hidden, weight, None, self.head_choice)).float()
         if self.tp is None:
             return logits
         logits = self.tp.gather_last_dim(logits)
