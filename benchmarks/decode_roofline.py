@@ -164,7 +164,7 @@ def memory_row(runner, model_file: Path) -> dict:
 
 def serve_single_stream(args) -> dict:
     """One client through `folio serve`: decode tok/s as 1 / mean TPOT."""
-    from benchmarks.serve_stack import serving
+    from benchmarks.serve_stack import served_model, serving
     from folio.bench.serve import LoadSpec, bench_serve
     from folio.bench.workload import make_workload
     from text.tokenizer import Tokenizer
@@ -175,8 +175,9 @@ def serve_single_stream(args) -> dict:
     reqs = make_workload(Tokenizer.from_model_path(args.model), "fixed", 4, args.context,
                          128, seed=1)
     with serving(settings) as (url, _):
-        bench_serve(url, "x", reqs[:1], LoadSpec(max_concurrency=1))  # warm-up
-        report = bench_serve(url, "x", reqs, LoadSpec(max_concurrency=1))
+        model = served_model(url)
+        bench_serve(url, model, reqs[:1], LoadSpec(max_concurrency=1))  # warm-up
+        report = bench_serve(url, model, reqs, LoadSpec(max_concurrency=1))
     tok_s = 1000 / report["tpot_ms"]["mean"]
     print(f"folio serve, 1 client: TPOT {report['tpot_ms']['mean']:.2f} ms -> "
           f"{tok_s:.1f} tok/s", flush=True)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import yaml
@@ -66,6 +67,12 @@ def serving(settings: dict):
         finally:
             proc.terminate()
             proc.wait(60)
+
+
+def served_model(url: str) -> str:
+    """The base model's name as the stack serves it (requests must name it)."""
+    with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+        return json.loads(r.read())["data"][0]["id"]
 
 
 def run_served(settings: dict, reqs, stream: bool = False) -> dict:
