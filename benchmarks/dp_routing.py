@@ -27,7 +27,9 @@ NUM_PREFIXES, PREFIX_LEN, SUFFIX_LEN, PER_PREFIX = 8, 1000, 8, 8
 _READY = re.compile(r"API listening on (http://\S+)")
 
 
-def workload(seed: int) -> list[list[int]]:
+def workload(seed: int = 0) -> list[list[int]]:
+    """64 prompts: 8 per shared 1,000-token prefix, each with its own 8-token tail; the
+    first of each prefix comes first, then the others in a shuffled order."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(100, 40000) for _ in range(PREFIX_LEN)]
                 for _ in range(NUM_PREFIXES)]

@@ -9,7 +9,6 @@
 """
 import asyncio
 import os
-import random
 import re
 import signal
 import time
@@ -17,31 +16,19 @@ import time
 import aiohttp
 import pytest
 
+from benchmarks.dp_routing import NUM_PREFIXES, PREFIX_LEN, SUFFIX_LEN, workload
 from observability.process_stats import command_line
 from tests.services.serve_process import ServeProcess
 from tests.services.test_serve_e2e import MODEL
 from tests.services.test_serve_lifecycle import assert_nothing_left
 
 pytestmark = pytest.mark.slow
-NUM_PREFIXES, PREFIX_LEN, SUFFIX_LEN, PER_PREFIX = 8, 1000, 8, 8
 
 
 def dp2(routing: str) -> dict:
     return dict(parallel={"data_parallel_size": 2, "routing": routing},
                 worker={"num_threads": 1}, memory={"num_blocks": 1024},
                 services={"startup_timeout_s": 300, "drain_timeout_s": 20})
-
-
-def workload(seed: int = 0) -> list[list[int]]:
-    """64 prompts: 8 per shared 1,000-token prefix, each with its own 8-token tail; the
-    first of each prefix comes first, then the others in a shuffled order."""
-    rng = random.Random(seed)
-    prefixes = [[rng.randrange(100, 40000) for _ in range(PREFIX_LEN)]
-                for _ in range(NUM_PREFIXES)]
-    order = [p for _ in range(PER_PREFIX - 1) for p in range(NUM_PREFIXES)]
-    rng.shuffle(order)
-    return [prefixes[p] + [rng.randrange(100, 40000) for _ in range(SUFFIX_LEN)]
-            for p in list(range(NUM_PREFIXES)) + order]
 
 
 async def metrics(session, url: str) -> dict[str, float]:
