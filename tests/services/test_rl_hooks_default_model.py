@@ -12,6 +12,7 @@ import pytest
 from tests.services.serve_process import running, write_config
 
 HEAP_SLACK = 2 * 2 ** 20
+RSS_SLACK = 0.02  # of the bytes freed: resident pages the kernel already let go
 KV_CACHE_BYTES = 256 * 1024 ** 2
 PROMPTS = ["The three primary colours are", "def add(a, b):\n"]
 
@@ -73,9 +74,12 @@ def test_sleep_gives_back_the_kv_pool_and_the_weights(tmp_path):
            else round(val / 2 ** 20, 1) for k, val in m.items()})
     assert m["kv_cache_bytes"] >= KV_CACHE_BYTES * 0.99  # the pool is whole blocks
     # VmRSS also moves with the interpreter's own heap while the sleep request is
-    # handled (measured drops exceeded the freed tensors by only 0.2-0.3 MiB at level 2),
-    # so the freed tensors must show up less HEAP_SLACK
+    # handled, and counts only resident pages: alone, the level-2 drop exceeded the
+    # freed tensors by 0.2-2 MiB; in a full suite run on a busy 2-core machine it fell
+    # 6.5 MiB (0.7%) short. The freed tensors must show up less HEAP_SLACK and RSS_SLACK.
+    def freed_enough(drop: int, freed: int) -> bool:
+        return drop >= freed * (1 - RSS_SLACK) - HEAP_SLACK
     awake, asleep, _ = m["level1"]
-    assert awake - asleep >= m["kv_cache_bytes"] - HEAP_SLACK
+    assert freed_enough(awake - asleep, m["kv_cache_bytes"])
     awake, asleep, _ = m["level2"]
-    assert awake - asleep >= m["kv_cache_bytes"] + m["weight_bytes"] - HEAP_SLACK
+    assert freed_enough(awake - asleep, m["kv_cache_bytes"] + m["weight_bytes"])
