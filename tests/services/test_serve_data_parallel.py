@@ -58,6 +58,13 @@ async def run_workload(url: str) -> tuple[list, float, dict]:
     over the replicas) and the final metrics."""
     prompts = workload()
     async with aiohttp.ClientSession() as s:
+        # the API serves once one replica is up; the workload is for both (on a busy
+        # machine replica 1 came up late, every prefix went to replica 0 and the
+        # imbalance cap then recomputed some on replica 1)
+        deadline = time.monotonic() + 300
+        while (await health(s, url))[1].get("engine", {}).get("num_replicas_serving") != 2:
+            assert time.monotonic() < deadline, "replica 1 never came up"
+            await asyncio.sleep(0.2)
         first = [await complete(s, url, p) for p in prompts[:NUM_PREFIXES]]
         rest = await asyncio.gather(*(complete(s, url, p) for p in prompts[NUM_PREFIXES:]))
         m = await metrics(s, url)
