@@ -15,16 +15,15 @@ import asyncio
 import random
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.serve_stack import start_serve
+
 NUM_PREFIXES, PREFIX_LEN, SUFFIX_LEN, PER_PREFIX = 8, 1000, 8, 8
-_READY = re.compile(r"API listening on (http://\S+)")
 
 
 def workload(seed: int = 0) -> list[list[int]]:
@@ -42,19 +41,7 @@ def workload(seed: int = 0) -> list[list[int]]:
 def _start(config: dict, folder: Path) -> tuple[subprocess.Popen, str]:
     path = folder / "folio.yaml"
     path.write_text(yaml.safe_dump(config))
-    out = folder / "serve.out"
-    proc = subprocess.Popen([sys.executable, "-m", "folio.cli", "serve", "--config", str(path)],
-                            cwd=REPO, stdout=open(out, "w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        match = _READY.search(out.read_text())
-        if match:
-            return proc, match.group(1)
-        if proc.poll() is not None:
-            raise RuntimeError(f"folio serve exited {proc.returncode}:\n{out.read_text()}")
-        time.sleep(0.2)
-    proc.kill()
-    raise TimeoutError("folio serve did not start")
+    return start_serve(path, folder / "serve.out")
 
 
 def _metric(text: str, name: str, replica: str) -> float:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,8 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks.serve_stack import start_serve  # noqa: E402
 
 
 def settings(socket_dir: str, max_num_seqs: int) -> dict:
@@ -113,16 +114,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "folio.yaml"
         config.write_text(yaml.safe_dump(settings(socket_dir, 16)))
-        out_file = Path(tmp) / "serve.out"
-        proc = subprocess.Popen([sys.executable, "-m", "folio.cli", "serve", "--config",
-                                 str(config)], cwd=REPO, stdout=open(out_file, "w"))
+        proc, url = start_serve(config, Path(tmp) / "serve.out")
         try:
-            url = None
-            while url is None:
-                if proc.poll() is not None:
-                    raise SystemExit(f"folio serve exited {proc.returncode}")
-                match = re.search(r"API listening on (http://\S+)", out_file.read_text())
-                url = match.group(1) if match else time.sleep(0.2)
             result = asyncio.run(measure(url, config, socket_dir, args.edits, args.requests))
         finally:
             proc.terminate()

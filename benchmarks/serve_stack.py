@@ -19,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from observability.process_stats import command_line, cpu_seconds, descendants  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+_READY = re.compile(r"API listening on (http://\S+)")
 
 
 async def post_all(url: str, reqs, stream: bool) -> int:
@@ -46,6 +47,25 @@ async def post_all(url: str, reqs, stream: bool) -> int:
         return sum(await asyncio.gather(*(one(session, ids, n) for ids, n in reqs)))
 
 
+def start_serve(config: Path, out: Path,
+                timeout_s: float = 600.0) -> tuple[subprocess.Popen, str]:
+    """`folio serve --config config` with its output in ``out``; (process, its URL) once
+    the API listens. The caller stops it."""
+    proc = subprocess.Popen([sys.executable, "-m", "folio.cli", "serve", "--config",
+                             str(config)], cwd=REPO, stdout=open(out, "w"),
+                            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        match = _READY.search(out.read_text())
+        if match:
+            return proc, match.group(1)
+        if proc.poll() is not None:
+            raise RuntimeError(f"folio serve exited {proc.returncode}:\n{out.read_text()}")
+        time.sleep(0.2)
+    proc.kill()
+    raise TimeoutError("folio serve did not start")
+
+
 @contextlib.contextmanager
 def serving(settings: dict):
     """`folio serve` on ``settings`` (a YAML tree) for the block; yields (url, pid)."""
@@ -53,16 +73,8 @@ def serving(settings: dict):
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "folio.yaml"
         config.write_text(yaml.safe_dump(settings))
-        out = Path(tmp) / "serve.out"
-        proc = subprocess.Popen([sys.executable, "-m", "folio.cli", "serve", "--config",
-                                 str(config)], cwd=REPO, stdout=open(out, "w"))
+        proc, url = start_serve(config, Path(tmp) / "serve.out")
         try:
-            url = None
-            while url is None:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"folio serve exited {proc.returncode}")
-                match = re.search(r"API listening on (http://\S+)", out.read_text())
-                url = match.group(1) if match else time.sleep(0.2)
             yield url, proc.pid
         finally:
             proc.terminate()
