@@ -174,7 +174,8 @@ class WorkerConfig:
                              "however its prefill is chunked and whether its prefix came "
                              "from the cache (README, \"Deterministic mode\": its cost); "
                              "needs the native CPU kernels; refused with LoRA, speculative "
-                             "decoding, tensor parallelism and CUDA")
+                             "decoding, tensor parallelism, CUDA, quantized weights and "
+                             "the int8 KV cache")
 
     def __post_init__(self):
         _check(self.device in DEVICES, "worker.device",

@@ -40,7 +40,7 @@ class WorkerControl:
         return self.sleep_mode.is_sleeping
 
     def sleep(self, level: int) -> None:
-        quantization = getattr(self.runner, "quantization", "none")
+        quantization = self.runner.quantization
         if level == 2 and quantization != "none":
             raise ValueError(f"sleep level 2 reloads float weights, and this model's are "
                              f"held quantized (model.quantization: {quantization}); use "
@@ -59,7 +59,7 @@ class WorkerControl:
         naming the bad tensor leaves the model as it was); returns how many."""
         if self.sleep_mode.level == 2:
             raise WeightUpdateError("the weights are dropped (sleep level 2): wake up first")
-        quantization = getattr(self.runner, "quantization", "none")
+        quantization = self.runner.quantization
         if quantization != "none":
             raise WeightUpdateError(f"this model's weights are held quantized "
                                     f"(model.quantization: {quantization}); updates need "
