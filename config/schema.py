@@ -161,6 +161,11 @@ class WorkerConfig:
                              "rows on, less accurate; auto never picks it) forces the "
                              "quantized kernels' integer route (see "
                              "worker/models/linear_paths.py)")
+    fused_decode: bool = _f(True, "CPU: decode-only steps run each decoder layer as one "
+                            "native op (norms, projections, RoPE, cache write, attention, "
+                            "MLP) instead of ~100 torch ops; same kernels and rounding. "
+                            "Steps with prefill, LoRA, tensor parallelism, deterministic "
+                            "mode or an fp8/int8 KV cache take the torch layers")
     enable_sleep_mode: bool = _f(False, "serve LLM.sleep/wake_up and POST /sleep, /wake_up, "
                                  "GET /is_sleeping (RL hooks: free the KV pool, level 2 "
                                  "the weights too, between generations)")

@@ -83,10 +83,13 @@ class ModelRunner:
                            and self.model.prepare_for_cpu())
         self.linear_table = (choose_linear_backends(self.model, worker_config.linear_backend)
                              if self.device.type == "cpu" else {})
+        fused_decode = (self.device.type == "cpu" and worker_config.fused_decode
+                        and self.model.enable_fused_decode())
         release_freed_memory()
         self.load_seconds = time.perf_counter() - t0
         log.debug("model loaded", path=str(loaded.source_path), dtype=str(self.dtype),
                   k_major_weights=k_major_weights, quantization=self.quantization,
+                  fused_decode=fused_decode,
                   architecture=self.arch.architecture, seconds=round(self.load_seconds, 2))
         self.block_size = memory_config.block_size
         self.kv_cache_dtype = resolve_kv_cache_dtype(memory_config.kv_cache_dtype, self.dtype)

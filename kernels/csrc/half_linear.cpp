@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "cpu_vec.h"
+#include "kernel_entries.h"
 
 namespace folio {
 namespace {
@@ -196,6 +197,8 @@ void dispatch(const at::Tensor& x, const at::Tensor& weight, const float* bias,
   });
 }
 
+}  // namespace
+
 // x [M, K] (any floating dtype, rows contiguous), weight [N, K] bf16/fp16 with
 // contiguous rows, N a multiple of 16 and K of 32. Returns x @ weight.T (+ bias) in x's
 // dtype: float32 products and sums, one rounding of the output.
@@ -226,7 +229,6 @@ at::Tensor half_linear(const at::Tensor& x_in, const at::Tensor& weight,
   return out;
 }
 
-}  // namespace
 }  // namespace folio
 
 TORCH_LIBRARY_FRAGMENT(folio, m) {

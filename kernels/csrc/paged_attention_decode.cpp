@@ -53,6 +53,7 @@
 #include <vector>
 
 #include "cpu_vec.h"
+#include "kernel_entries.h"
 
 namespace folio {
 namespace {
@@ -443,6 +444,8 @@ void choose_split(Shape& sh, int64_t num_threads) {
   sh.items_per_req = (sh.num_kv_heads + sh.kv_per_item - 1) / sh.kv_per_item;
 }
 
+}  // namespace
+
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& kv_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                   double scale, std::optional<int64_t> sliding_window) {
@@ -528,7 +531,6 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& kv_
   return out;
 }
 
-}  // namespace
 }  // namespace folio
 
 TORCH_LIBRARY_FRAGMENT(folio, m) {

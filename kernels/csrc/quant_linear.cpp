@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "kernel_entries.h"
 #include "quant_tiles.h"
 
 namespace folio::quant {
@@ -159,6 +160,8 @@ void check_operands(const at::Tensor& x, const at::Tensor& qs, const at::Tensor&
               "quant_linear: route ", route, " is not built for this CPU");
 }
 
+}  // namespace
+
 // x [M, K] float32/bf16/fp16; returns x @ W.T (+ bias) [M, n] in x's dtype.
 at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::Tensor& scales,
                         int64_t fmt, int64_t n, const c10::optional<at::Tensor>& bias,
@@ -237,7 +240,6 @@ at::Tensor quant_dequantize(const at::Tensor& qs, const at::Tensor& scales, int6
 
 std::vector<int64_t> quant_routes() { return built_routes(); }
 
-}  // namespace
 }  // namespace folio::quant
 
 TORCH_LIBRARY_FRAGMENT(folio, m) {

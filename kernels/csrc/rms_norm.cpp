@@ -19,6 +19,8 @@
 #include <tuple>
 #include <vector>
 
+#include "kernel_entries.h"
+
 namespace folio {
 namespace {
 
@@ -56,6 +58,8 @@ void norm_rows(const T* x, int64_t ldx, const T* res, int64_t ldr, const T* weig
   });
 }
 
+}  // namespace
+
 // Returns (out, new_residual); new_residual is empty when no residual is given.
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x_in, const at::Tensor& weight,
                                             double eps,
@@ -90,7 +94,6 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x_in, const at::Te
   return {out, res_out};
 }
 
-}  // namespace
 }  // namespace folio
 
 TORCH_LIBRARY_FRAGMENT(folio, m) {

@@ -72,26 +72,37 @@ def lacks_half_arithmetic(dtype: torch.dtype, device: torch.device) -> bool:
 def half_path(x: torch.Tensor, weight: torch.Tensor) -> str:
     """How ``x @ weight.T`` runs: NATIVE (plain ``F.linear``), KERNEL (the native 16-bit
     kernel) or WIDEN (both operands widened to float32); see the module docstring."""
-    if weight.dtype != x.dtype or not lacks_half_arithmetic(x.dtype, x.device):
-        return NATIVE
     rows = x.shape[0] if x.dim() == 2 else (x.numel() // x.shape[-1] if x.shape[-1] else 0)
+    return _half_path(rows, x.dtype, x.device, weight)
+
+
+def _half_path(rows: int, dtype: torch.dtype, device: torch.device, weight) -> str:
+    if weight.dtype != dtype or not lacks_half_arithmetic(dtype, device):
+        return NATIVE
     if rows < HALF_KERNEL_MAX_ROWS and kernel_takes(weight):
         return KERNEL
     return WIDEN if rows >= WIDEN_MIN_ROWS else NATIVE
 
 
+def linear_path(rows: int, dtype: torch.dtype, device: torch.device, weight,
+                choice: LinearChoice | None = None) -> str:
+    """The path :func:`linear` takes for ``rows`` rows of ``dtype`` activations: the
+    layer's measured ``choice`` if it has one, else the fixed rule (:func:`half_path`;
+    a quantized weight runs its kernel's default)."""
+    if choice is not None:
+        return choice.path_for(rows)
+    if isinstance(weight, PackedWeight):
+        return candidates(weight)[0]
+    if dtype not in HALF_DTYPES:  # float32: no decision to make
+        return NATIVE
+    return _half_path(rows, dtype, device, weight)
+
+
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None,
            choice: LinearChoice | None = None) -> torch.Tensor:
-    """``F.linear`` through the layer's measured ``choice`` if it has one, else the
-    fixed rule (:func:`half_path`; a quantized weight runs its kernel's default)."""
-    if choice is not None:
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        return run_path(choice.path_for(rows), x, weight, bias)
-    if isinstance(weight, PackedWeight):
-        return run_path(candidates(weight)[0], x, weight, bias)
-    if x.dtype not in HALF_DTYPES:  # float32: no decision to make
-        return F.linear(x, weight, bias)
-    return run_path(half_path(x, weight), x, weight, bias)
+    """``F.linear`` through :func:`linear_path`'s path for x's rows."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    return run_path(linear_path(rows, x.dtype, x.device, weight, choice), x, weight, bias)
 
 
 # Row counts are padded to a multiple of this, so the float32 GEMM never leaves 1-3 rows

@@ -25,6 +25,7 @@ from kernels.reshape_and_cache import reshape_and_cache
 from kernels.rms_norm import rms_norm
 from kernels.rotary_embedding import rotary_embedding
 from worker.distributed.model_shard import ModelShard
+from worker.models.fused_decode import FusedDecode
 from worker.models.architecture import ModelArchitecture
 from worker.models.linear import (Linear, invariant_linear, k_major, linear,
                                   use_invariant_linears, use_k_major_weights, wants_k_major)
@@ -176,6 +177,14 @@ class LlamaForCausalLM(nn.Module):
         self.head_weight = None
         self.head_choice = None  # the head's measured LinearChoice (linear_backend.py)
         self.is_batch_invariant = False  # deterministic mode: make_batch_invariant()
+        self.fused_decode: FusedDecode | None = None  # enable_fused_decode()
+
+    def enable_fused_decode(self) -> bool:
+        """Run decode-only steps through one native op per layer where the step allows
+        (worker/models/fused_decode.py); call once the weights and linear choices are
+        final. Returns whether this model can."""
+        self.fused_decode = FusedDecode(self) if FusedDecode.supports(self) else None
+        return self.fused_decode is not None
 
     def make_batch_invariant(self) -> None:
         """Deterministic mode: every projection and the LM head compute each row
@@ -191,10 +200,15 @@ class LlamaForCausalLM(nn.Module):
         step's adapters (worker/lora/lora_step.py), None when no row has one."""
         hidden = self.embed_tokens(input_ids)
         angles = self.rotary(positions, hidden.dtype)
-        residual = None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            hidden, residual = layer(angles, hidden, residual, kv_cache, ctx,
-                                     lora.layer(i) if lora is not None else None)
+        fused = self.fused_decode
+        if (lora is None and fused is not None
+                and fused.takes(hidden.shape[0], hidden.dtype, kv_caches, ctx)):
+            hidden, residual = fused.run(angles, hidden, kv_caches, ctx)
+        else:
+            residual = None
+            for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+                hidden, residual = layer(angles, hidden, residual, kv_cache, ctx,
+                                         lora.layer(i) if lora is not None else None)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

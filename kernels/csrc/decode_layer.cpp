@@ -1,0 +1,212 @@
+// One Llama decoder layer for a batch of decode rows (one new token per request), in one
+// native call:
+//
+//   h, residual = rms_norm(hidden (+ residual))            input_layernorm
+//   q, k, v     = split(linear(h, W_qkv) (+ b_qkv))
+//   q, k        = rotate(q, k; cos, sin)                    rotate-half RoPE
+//   cache[slot] = k, v                                      this step's keys and values
+//   a           = paged_attention_decode(q; cache, block tables, seq lens)
+//   h, residual = rms_norm(linear(a, W_o) + residual)      post_attention_layernorm
+//   gate, up    = split(linear(h, W_gate_up))
+//   out         = linear(T(silu(gate)) * up, W_down)
+//
+// The spec is LlamaDecoderLayer.forward (worker/models/llama.py) with its torch ops; this
+// is the same computation with the same rounding points (T: the activation dtype):
+// RoPE rounds each product and then the sum, as `x1 * cos - x2 * sin` does on T tensors;
+// SiLU rounds once and the product with `up` once. The norms, linear layers and
+// attention are the same native kernels the unfused layer calls (kernel_entries.h), so
+// what goes away is ~100 torch ops a layer and their Python dispatch, which at batch 1
+// cost more than the layer's arithmetic. Each linear layer runs the path the caller
+// chose for this row count (worker/models/linear_paths.py).
+//
+// Scope: the KV cache in the activation dtype (fp8/int8 caches take the unfused layer),
+// no LoRA, no tensor parallelism: the caller checks (worker/models/fused_decode.py).
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+#include "kernel_entries.h"
+
+namespace folio {
+namespace {
+
+// Path codes, as worker/models/fused_decode.py encodes linear_paths' names.
+enum Path : int64_t { kNative = 0, kKernel = 1, kWiden = 2, kInt8 = 3 };
+constexpr int64_t kQuantWidenRoute = 4, kQuantBestInt8Route = 0;  // quant_linear.cpp
+
+// Operand slots in `weights` and fields of `meta` (see the schema at the bottom).
+enum Slot { kInNorm, kPostNorm, kQkv, kQkvScales, kQkvBias, kO, kOScales, kGateUp,
+            kGateUpScales, kDown, kDownScales, kNumSlots };
+enum Meta { kHeads, kKvHeads, kHeadDim, kLinearMeta, kNumMeta = kLinearMeta + 12 };
+
+using OptTensor = c10::optional<at::Tensor>;
+
+bool has(const OptTensor& t) { return t.has_value() && t->defined(); }
+
+// x @ W.T (+ bias) through `path`, as linear_paths.run_path computes it. A weight with
+// scales is packed (qs, scales, fmt, n); otherwise it is a plain [n, k] tensor.
+at::Tensor linear(const at::Tensor& x, const OptTensor& w, const OptTensor& scales,
+                  const OptTensor& bias, const int64_t* m) {
+  const int64_t path = m[0], fmt = m[1], n = m[2];
+  if (has(scales)) {
+    if (path == kNative)
+      return at::linear(x, quant::quant_dequantize(*w, *scales, fmt, n, c10::nullopt,
+                                                   x.scalar_type()), bias);
+    return quant::quant_linear(x, *w, *scales, fmt, n, bias,
+                               path == kInt8 ? kQuantBestInt8Route : kQuantWidenRoute);
+  }
+  if (path == kKernel) return half_linear(x, *w, bias);
+  if (path == kWiden)
+    return at::linear(x.to(at::kFloat), w->to(at::kFloat),
+                      has(bias) ? OptTensor(bias->to(at::kFloat)) : OptTensor())
+        .to(x.scalar_type());
+  return at::linear(x, *w, bias);
+}
+
+template <typename T>
+inline float r(float v) {  // round to T and back (identity for float)
+  return static_cast<float>(static_cast<T>(v));
+}
+
+// torch rounds every product before the sum: the compiler must not contract a * b - c * d
+// into a fused multiply-add (GCC does by default), or float32 results move by an ulp.
+#define FOLIO_NO_FMA __attribute__((optimize("fp-contract=off")))
+
+// out = [x1 * c - x2 * s | x2 * c + x1 * s] over one head of `half` pairs.
+template <typename T>
+FOLIO_NO_FMA inline void rotate(const T* x, const T* c, const T* s, int64_t half, T* out) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half], ci = c[i], si = s[i];
+    out[i] = static_cast<T>(r<T>(a * ci) - r<T>(b * si));
+    out[i + half] = static_cast<T>(r<T>(b * ci) + r<T>(a * si));
+  }
+}
+
+// Rotates q into `q_out` [rows, heads, hd] and k into its cache slot; copies v there.
+template <typename T>
+void rope_and_cache(const T* qkv, int64_t rows, int64_t heads, int64_t kv_heads,
+                    int64_t hd, const T* cos, const T* sin, const int64_t* slots,
+                    T* q_out, T* k_cache, T* v_cache) {
+  const int64_t half = hd / 2, ld = (heads + 2 * kv_heads) * hd, kv_row = kv_heads * hd;
+  for (int64_t t = 0; t < rows; ++t) {
+    const T* x = qkv + t * ld;
+    const T* c = cos + t * half;
+    const T* s = sin + t * half;
+    for (int64_t h = 0; h < heads; ++h)
+      rotate(x + h * hd, c, s, half, q_out + (t * heads + h) * hd);
+    T* k = k_cache + slots[t] * kv_row;
+    for (int64_t h = 0; h < kv_heads; ++h)
+      rotate(x + (heads + h) * hd, c, s, half, k + h * hd);
+    std::memcpy(v_cache + slots[t] * kv_row, x + (heads + kv_heads) * hd, kv_row * sizeof(T));
+  }
+}
+
+// out[t, i] = T(T(silu(gate[t, i])) * up[t, i]), gate_up = [gate | up] per row.
+template <typename T>
+FOLIO_NO_FMA void silu_mul(const T* gate_up, int64_t rows, int64_t inter, T* out) {
+  for (int64_t t = 0; t < rows; ++t) {
+    const T* g = gate_up + t * 2 * inter;
+    const T* u = g + inter;
+    T* o = out + t * inter;
+    for (int64_t i = 0; i < inter; ++i) {
+      const float x = g[i];
+      o[i] = static_cast<T>(r<T>(x / (1.f + std::exp(-x))) * static_cast<float>(u[i]));
+    }
+  }
+}
+
+void check(const at::Tensor& hidden, const std::vector<OptTensor>& w,
+           const std::vector<int64_t>& meta, const at::Tensor& kv_cache,
+           const at::Tensor& slot_mapping, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(w.size() == kNumSlots, "decode_layer: weights must hold ", kNumSlots, " entries");
+  TORCH_CHECK(meta.size() == kNumMeta, "decode_layer: meta must hold ", kNumMeta, " ints");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(),
+              "decode_layer: hidden must be contiguous [rows, hidden]");
+  const int64_t rows = hidden.size(0), hd = meta[kHeadDim], kv_heads = meta[kKvHeads];
+  TORCH_CHECK(hd % 2 == 0 && meta[kHeads] > 0 && kv_heads > 0, "decode_layer: bad head shape");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                  kv_cache.size(3) == kv_heads && kv_cache.size(4) == hd,
+              "decode_layer: kv_cache must be contiguous [2, blocks, block_size, kv_heads, hd]");
+  TORCH_CHECK(kv_cache.scalar_type() == hidden.scalar_type(),
+              "decode_layer: the KV cache must have the activations' dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+                  slot_mapping.size(0) == rows && slot_mapping.is_contiguous(),
+              "decode_layer: slot_mapping must be contiguous int64 [rows]");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == hidden.scalar_type() && t->is_contiguous() &&
+                    t->numel() == rows * hd / 2,
+                "decode_layer: cos/sin must be contiguous [rows, head_dim / 2] in hidden's dtype");
+  const int64_t num_slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t* s = slot_mapping.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t)
+    TORCH_CHECK(s[t] >= 0 && s[t] < num_slots, "decode_layer: slot_mapping[", t, "] = ", s[t],
+                " is outside the cache (", num_slots, " slots)");
+}
+
+}  // namespace
+
+// Returns (hidden out, residual): the layer's output before the next layer's norm.
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    const at::Tensor& hidden, const OptTensor& residual, const std::vector<OptTensor>& w,
+    const std::vector<int64_t>& meta, const at::Tensor& kv_cache,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+    const at::Tensor& cos, const at::Tensor& sin, double eps, double scale,
+    std::optional<int64_t> sliding_window) {
+  check(hidden, w, meta, kv_cache, slot_mapping, cos, sin);
+  const int64_t rows = hidden.size(0), heads = meta[kHeads], kv_heads = meta[kKvHeads],
+                hd = meta[kHeadDim];
+  const int64_t* lm = meta.data() + kLinearMeta;  // (path, fmt, n) per linear layer
+
+  auto [h, res] = rms_norm(hidden, *w[kInNorm], eps, residual);
+  if (!res.defined()) res = hidden;  // the first layer: the residual is its input
+  const at::Tensor qkv = linear(h, w[kQkv], w[kQkvScales], w[kQkvBias], lm).contiguous();
+  TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * hd,
+              "decode_layer: qkv width does not match the head shape");
+  at::Tensor q = at::empty({rows, heads, hd}, hidden.options());
+  const int64_t plane = kv_cache.size(1) * kv_cache.size(2) * kv_heads * hd;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(),
+                                  "decode_layer", [&] {
+    scalar_t* cache = kv_cache.data_ptr<scalar_t>();
+    rope_and_cache(qkv.const_data_ptr<scalar_t>(), rows, heads, kv_heads, hd,
+                   cos.const_data_ptr<scalar_t>(), sin.const_data_ptr<scalar_t>(),
+                   slot_mapping.const_data_ptr<int64_t>(), q.data_ptr<scalar_t>(), cache,
+                   cache + plane);
+  });
+  const at::Tensor attn = paged_attention_decode(q, kv_cache, block_tables, seq_lens, scale,
+                                                 sliding_window).view({rows, heads * hd});
+  const at::Tensor o = linear(attn, w[kO], w[kOScales], c10::nullopt, lm + 3);
+  std::tie(h, res) = rms_norm(o, *w[kPostNorm], eps, res);
+  const at::Tensor gate_up = linear(h, w[kGateUp], w[kGateUpScales], c10::nullopt, lm + 6)
+                                 .contiguous();
+  const int64_t inter = gate_up.size(1) / 2;
+  at::Tensor act = at::empty({rows, inter}, hidden.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(),
+                                  "decode_layer", [&] {
+    silu_mul(gate_up.const_data_ptr<scalar_t>(), rows, inter, act.data_ptr<scalar_t>());
+  });
+  return {linear(act, w[kDown], w[kDownScales], c10::nullopt, lm + 9), res};
+}
+
+}  // namespace folio
+
+TORCH_LIBRARY_FRAGMENT(folio, m) {
+  // weights: input/post-attention norm weights, then per linear layer its weight (or a
+  // packed weight's qs) and scales (None for a plain tensor), the qkv bias after qkv's:
+  //   [in_norm, post_norm, qkv, qkv_scales, qkv_bias, o, o_scales, gate_up,
+  //    gate_up_scales, down, down_scales]
+  // meta: [heads, kv_heads, head_dim] then (path, fmt, n) for qkv, o, gate_up, down.
+  m.def("decode_layer(Tensor hidden, Tensor? residual, Tensor?[] weights, int[] meta, "
+        "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
+        "Tensor cos, Tensor sin, float eps, float scale, int? sliding_window=None) "
+        "-> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(folio, CPU, m) {
+  m.impl("decode_layer", &folio::decode_layer);
+}

@@ -1,0 +1,183 @@
+"""The fused decode layer (kernels/csrc/decode_layer.cpp) against its spec, the torch
+decoder layers (worker/models/llama.py), on decode steps of tiny models.
+
+Each case prefills three requests of different lengths through the torch layers, then
+runs one decode step twice on copies of the KV cache: through the torch layers and
+through the native op. The hidden states, the residual stream's result and the cache
+rows the step wrote must agree, for quantized weights (every linear path), 16-bit
+weights (native GEMM, Folio's kernel, widening), float32, attention bias (qwen2) and a
+sliding window. The op calls the same kernels with the same rounding points, so the
+only allowed difference is SiLU's exp (the C library's against torch's vectorised one,
+an ulp of float32 at most).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from config.schema import MemoryConfig, ModelConfig, WorkerConfig
+from engine_core.worker_sampling import WorkerSamplingParams
+from kernels import cpu_extension
+from tests.worker.gguf_factory import TinyModelSpec, write_tiny_gguf
+from worker.input_batch import build_input_batch
+from worker.kv_cache import KVCacheSpec, allocate_kv_cache
+from worker.model_runner import ModelRunner
+from worker.request_state import CachedRequestState
+
+pytestmark = pytest.mark.skipif(not cpu_extension.is_available(),
+                                reason="native CPU kernels unavailable")
+PROMPTS = [[1, 5, 9, 17, 33, 2, 40, 41, 7, 3, 60, 12, 8, 20, 50, 30, 11, 4, 6],
+           [3, 8, 13, 21],
+           [7, 7, 9, 1, 2, 3, 4, 5, 6, 10, 11, 12, 13, 14, 15, 16, 18, 19, 22, 23, 24, 25,
+            26, 27, 28, 29, 31, 32, 34, 35, 36, 37, 38]]
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fused")
+    specs = {
+        "q4_1": TinyModelSpec(proj_type=Q.Q4_1, embed_type=Q.Q8_0, weight_scale=0.1,
+                              intermediate_size=128, num_layers=3),
+        "q8_0": TinyModelSpec(proj_type=Q.Q8_0, embed_type=Q.Q8_0, weight_scale=0.1,
+                              intermediate_size=128, num_layers=2),
+        "f16": TinyModelSpec(proj_type=Q.F16, weight_scale=0.1, num_layers=3),
+        "qwen2": TinyModelSpec(arch="qwen2", proj_type=Q.F16, weight_scale=0.1,
+                               num_layers=2),
+    }
+    paths = {}
+    for name, spec in specs.items():
+        paths[name] = root / f"{name}.gguf"
+        write_tiny_gguf(paths[name], spec)
+    return paths
+
+
+def runner_for(path, dtype, backend="auto", quantization="auto") -> ModelRunner:
+    return ModelRunner(ModelConfig(path=str(path), dtype=dtype, quantization=quantization),
+                       MemoryConfig(num_blocks=16),
+                       WorkerConfig(device="cpu", linear_backend=backend))
+
+
+def states() -> list[CachedRequestState]:
+    out, next_block = [], 1
+    for i, prompt in enumerate(PROMPTS):
+        blocks = list(range(next_block, next_block + len(prompt) // BLOCK + 1))
+        next_block += len(blocks)
+        out.append(CachedRequestState(f"r{i}", list(prompt), len(prompt),
+                                      WorkerSamplingParams(), blocks, 0, None))
+    return out
+
+
+@torch.inference_mode()
+def decode_both_ways(runner: ModelRunner, sliding_window=None):
+    """(torch, fused) results of one decode step after a torch prefill: each the final
+    hidden states and the KV caches after the step."""
+    model = runner.model
+    fused = model.fused_decode
+    assert fused is not None
+    caches = allocate_kv_cache(KVCacheSpec.for_model(runner.arch, BLOCK, runner.dtype), 16,
+                               runner.device)
+    reqs = states()
+    prefill = build_input_batch(reqs, [len(p) for p in PROMPTS], BLOCK, sliding_window,
+                                runner.attention_backend)
+    model(prefill.input_ids, prefill.positions, caches, prefill.attn)
+    for r, token in zip(reqs, (44, 45, 46)):
+        r.num_computed_tokens = len(r.token_ids)
+        r.token_ids.append(token)
+    decode = build_input_batch(reqs, [1, 1, 1], BLOCK, sliding_window, runner.attention_backend)
+    assert fused.takes(3, runner.dtype, caches, decode.attn)
+    results = []
+    for use_fused in (False, True):
+        step_caches = [c.clone() for c in caches]
+        model.fused_decode = fused if use_fused else None
+        hidden = model(decode.input_ids, decode.positions, step_caches, decode.attn)
+        results.append((hidden, step_caches))
+    model.fused_decode = fused
+    return results
+
+
+def assert_same(results, dtype):
+    (h_ref, c_ref), (h, c) = results
+    # SiLU's exp is the one op computed by another library: an ulp of float32, which a
+    # 16-bit rounding rarely turns into one ulp of bf16
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(h, h_ref, atol=tol, rtol=tol)
+    for got, want in zip(c, c_ref):
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    # the first layer's cache rows come before any SiLU: bit for bit
+    assert torch.equal(c[0], c_ref[0])
+    assert not torch.equal(c_ref[0], torch.zeros_like(c_ref[0]))
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("backend", ["auto", "widen", "int8", "native"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_quantized_weights_every_path(models, fmt, backend, dtype):
+    runner = runner_for(models[fmt], dtype, backend)
+    assert runner.quantization == "gguf"
+    assert_same(decode_both_ways(runner), runner.dtype)
+
+
+@pytest.mark.parametrize("backend", ["auto", "kernel", "widen", "native"])
+def test_bf16_weights_every_path(models, backend):
+    runner = runner_for(models["f16"], "bfloat16", backend, quantization="none")
+    assert_same(decode_both_ways(runner), torch.bfloat16)
+
+
+def test_float32_weights_and_sliding_window(models):
+    runner = runner_for(models["f16"], "float32", quantization="none")
+    assert_same(decode_both_ways(runner), torch.float32)
+    assert_same(decode_both_ways(runner, sliding_window=5), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attention_bias(models, dtype):
+    runner = runner_for(models["qwen2"], dtype, quantization="none")
+    assert runner.model.layers[0].self_attn.qkv_proj.bias is not None
+    assert_same(decode_both_ways(runner), runner.dtype)
+
+
+def test_steps_the_op_does_not_take(models):
+    """Prefill rows, an fp8 KV cache and the torch attention backend keep the torch
+    layers; so does ``worker.fused_decode: false``."""
+    runner = runner_for(models["f16"], "float32", quantization="none")
+    fused = runner.model.fused_decode
+    spec = KVCacheSpec.for_model(runner.arch, BLOCK, runner.dtype)
+    caches = allocate_kv_cache(spec, 16, runner.device)
+    reqs = states()
+    prefill = build_input_batch(reqs, [len(p) for p in PROMPTS], BLOCK, None,
+                                runner.attention_backend)
+    assert not fused.takes(prefill.input_ids.shape[0], runner.dtype, caches, prefill.attn)
+    for r in reqs:
+        r.num_computed_tokens = len(r.token_ids)
+        r.token_ids.append(3)
+    decode = build_input_batch(reqs, [1, 1, 1], BLOCK, None, runner.attention_backend)
+    fp8 = [torch.zeros_like(c, dtype=torch.float8_e4m3fn) for c in caches]
+    assert not fused.takes(3, runner.dtype, fp8, decode.attn)
+    torch_decode = build_input_batch(reqs, [1, 1, 1], BLOCK, None, None)
+    assert not fused.takes(3, runner.dtype, caches, torch_decode.attn)
+    off = ModelRunner(ModelConfig(path=str(models["f16"]), dtype="float32", quantization="none"),
+                      MemoryConfig(num_blocks=16), WorkerConfig(device="cpu", fused_decode=False))
+    assert off.model.fused_decode is None
+
+
+def test_bad_operands_are_refused(models):
+    runner = runner_for(models["f16"], "float32", quantization="none")
+    fused = runner.model.fused_decode
+    ops = cpu_extension.require()
+    spec = KVCacheSpec.for_model(runner.arch, BLOCK, runner.dtype)
+    cache = allocate_kv_cache(spec, 2, runner.device)[0]
+    hidden = torch.randn(1, 64)
+    cos = sin = torch.ones(1, 8)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
+    meta = fused._meta(1, torch.float32)[0]
+    args = (hidden, None, fused.layers[0], meta, cache)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.decode_layer(*args, torch.tensor([32]), tables, lens, cos, sin, 1e-6, 0.25)
+    with pytest.raises(RuntimeError, match="dtype"):
+        ops.decode_layer(hidden, None, fused.layers[0], meta, cache.bfloat16(),
+                         torch.tensor([0]), tables, lens, cos, sin, 1e-6, 0.25)
+    with pytest.raises(RuntimeError, match="meta"):
+        ops.decode_layer(*args[:3], meta[:-1], cache, torch.tensor([0]), tables, lens, cos,
+                         sin, 1e-6, 0.25)

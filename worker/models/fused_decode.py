@@ -1,0 +1,123 @@
+"""Decode steps through one native op per decoder layer (``kernels/csrc/decode_layer.cpp``).
+
+At batch 1 on a CPU a Llama layer's torch ops (norms, the fused projections, RoPE, the
+cache write, attention, SiLU, the splits and views between them: about 100 per layer)
+cost more in dispatch than the layer's arithmetic: on the default model they were 4.5
+of a 10.6 ms forward. The native op runs the same kernels and the same rounding
+(``LlamaDecoderLayer.forward`` is its spec, tests/kernels/test_decode_layer.py holds
+them together) from one call per layer.
+
+It was chosen over ``torch.compile`` (inductor's CPU backend), which the issue allowed:
+the layer's linear layers and attention are already Folio's native kernels (quantized
+blocks, 16-bit weights read once, paged attention), which inductor can only call as
+opaque ops, so it would fuse only the cheap elementwise ops between them, after a
+compile of minutes per batch shape on a 2-core machine.
+
+A step takes the fused path when every row is a decode on the native CPU attention
+kernel, with no LoRA, no tensor parallelism, no deterministic mode (whose padded
+linears it does not run) and a KV cache in the activation dtype; otherwise the torch
+layers run. ``worker.fused_decode: false`` turns it off.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from kernels import cpu_extension
+from kernels.quant_linear import PackedWeight
+from worker.models.linear import linear_path
+from worker.models.linear_paths import INT8, KERNEL, NATIVE, WIDEN
+
+if TYPE_CHECKING:
+    from worker.models.llama import AttentionContext, LlamaDecoderLayer, LlamaForCausalLM
+    from worker.models.rotary_embedding import RotaryAngles
+
+# decode_layer.cpp's path codes
+_PATH_CODES = {NATIVE: 0, KERNEL: 1, WIDEN: 2, INT8: 3}
+
+
+def _operands(layer) -> tuple[list, tuple]:
+    """A linear layer's (weight or qs, scales) and its fixed meta (fmt, n)."""
+    w = layer.weight
+    if isinstance(w, PackedWeight):
+        return [w.qs, w.scales], (w.fmt, w.n)
+    return [w, None], (0, w.shape[0])
+
+
+class FusedDecode:
+    """The native per-layer decode op for one model: each layer's operands gathered
+    once (parameters, whose ``.data`` sleep mode may swap, are passed as themselves) and
+    each row count's linear paths once."""
+
+    def __init__(self, model: LlamaForCausalLM):
+        self.model = model
+        self.ops = cpu_extension.require()
+        self.layers: list[list] = []
+        self._linears: list[list] = []  # per layer: (layer, fmt, n) of qkv, o, gate_up, down
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            linears = []
+            for i, lin in enumerate((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
+                                     mlp.down_proj)):
+                operands, (fmt, n) = _operands(lin)
+                weights += operands
+                if i == 0:
+                    weights.append(lin.bias)
+                linears.append((lin, fmt, n))
+            self.layers.append(weights)
+            self._linears.append(linears)
+        attn = model.layers[0].self_attn
+        self.head_shape = [attn.num_heads, attn.num_kv_heads, attn.head_dim]
+        self.scale = attn.scale
+        self.eps = model.layers[0].input_layernorm.eps
+        self._metas: dict[tuple[int, torch.dtype], list[list[int]]] = {}
+
+    @staticmethod
+    def supports(model: LlamaForCausalLM) -> bool:
+        """Whether this model can take the fused path at all (checked once, at load)."""
+        return (model.tp is None and model.norm.weight.device.type == "cpu"
+                and cpu_extension.is_available())
+
+    def takes(self, num_tokens: int, dtype: torch.dtype, kv_caches: list[torch.Tensor],
+              ctx: AttentionContext) -> bool:
+        """Whether this step can run fused: decode rows only, on the native kernel."""
+        plan = ctx.plan
+        return (num_tokens > 0 and plan.num_decodes == num_tokens and not plan.prefills
+                and plan.decode_block_tables is not None and kv_caches[0].dtype == dtype
+                and not self.model.is_batch_invariant)
+
+    def _meta(self, rows: int, dtype: torch.dtype) -> list[list[int]]:
+        key = (rows, dtype)
+        metas = self._metas.get(key)
+        if metas is None:
+            metas = []
+            for linears in self._linears:
+                meta = list(self.head_shape)
+                for lin, fmt, n in linears:
+                    path = linear_path(rows, dtype, torch.device("cpu"), lin.weight, lin.choice)
+                    meta += [_PATH_CODES[path], fmt, n]
+                metas.append(meta)
+            self._metas[key] = metas
+        return metas
+
+    def run(self, angles: RotaryAngles, hidden: torch.Tensor, kv_caches: list[torch.Tensor],
+            ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every decoder layer on ``hidden`` [rows, hidden]; (hidden, residual) before
+        the final norm, as the unfused loop leaves them."""
+        rows = hidden.shape[0]
+        plan = ctx.plan
+        half = self.head_shape[2] // 2
+        cos = angles.cos.reshape(rows, half).contiguous()
+        sin = angles.sin.reshape(rows, half).contiguous()
+        tables, lens = plan.decode_block_tables, plan.decode_seq_lens
+        slots = ctx.slot_mapping.contiguous()
+        hidden = hidden.contiguous()
+        residual = None
+        op = self.ops.decode_layer
+        for weights, meta, kv_cache in zip(self.layers, self._meta(rows, hidden.dtype),
+                                           kv_caches):
+            hidden, residual = op(hidden, residual, weights, meta, kv_cache, slots, tables,
+                                  lens, cos, sin, self.eps, self.scale, plan.sliding_window)
+        return hidden, residual
