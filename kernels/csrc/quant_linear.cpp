@@ -50,6 +50,7 @@ struct Operands {
   int64_t B;                   // blocks per row
   const QuantizedRows* xr;     // int8 routes
   const float* xf;             // widening route: float32 x [M][K]
+  const float* xsum;           // widening route: x summed per block [M][B]
 };
 
 template <int64_t Fmt, int MR>
@@ -65,7 +66,7 @@ void tile(int64_t route, const Operands& o, int64_t g, int64_t m0, float* acc, b
 #ifdef FOLIO_QUANT_AVX2
     case kAvx2: return tile_avx2<Fmt, MR>(qs, sc, o.B, *o.xr, m0, acc);
 #endif
-    case kWiden: return tile_widen<Fmt, MR>(qs, sc, o.B, o.xf, o.B * kBlock, m0, acc);
+    case kWiden: return tile_widen<Fmt, MR>(qs, sc, o.B, o.xf, o.B * kBlock, o.xsum, m0, acc);
     default: return tile_scalar<Fmt, MR>(qs, sc, o.B, *o.xr, m0, acc);
   }
 }
@@ -178,11 +179,20 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
     bias_f = bias->to(at::kFloat).contiguous();
   }
   thread_local QuantizedRows xr;  // the caller's thread prepares x
+  thread_local std::vector<float> xsum;
   Operands o{qs.const_data_ptr<uint8_t>(), scales.const_data_ptr<c10::Half>(), qs.size(1),
-             &xr, nullptr};
+             &xr, nullptr, nullptr};
   if (route == kWiden) {
     xf = x.to(at::kFloat).contiguous();
     o.xf = xf.const_data_ptr<float>();
+    const int64_t B = qs.size(1);
+    xsum.resize(static_cast<size_t>(M * B));
+    for (int64_t i = 0; i < M * B; ++i) {
+      float s = 0.f;
+      for (int k = 0; k < kBlock; ++k) s += o.xf[i * kBlock + k];
+      xsum[i] = s;
+    }
+    o.xsum = xsum.data();
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear", [&] {
     if (route != kWiden) quantize_rows(x.const_data_ptr<scalar_t>(), x.stride(0), M, K, xr);

@@ -21,7 +21,7 @@
 
 #include "quant_pack.h"
 
-#if defined(__AVX2__) || defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -29,7 +29,15 @@ namespace folio::quant {
 
 // The 16 fp16 values at p as floats.
 inline void halves_to_float(const c10::Half* p, float* out) {
+#if defined(__AVX512F__)
+  _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+#elif defined(__F16C__)
+  for (int h = 0; h < 2; ++h)
+    _mm256_storeu_ps(out + 8 * h,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 * h))));
+#else
   for (int i = 0; i < kGroupRows; ++i) out[i] = static_cast<float>(p[i]);
+#endif
 }
 
 inline int32_t word_at(const int8_t* p) {  // 4 int8 as one 32-bit word (to broadcast)
@@ -201,12 +209,22 @@ typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 
 // Widening: each 32-bit lane of a chunk holds 4 (Q8) or 8 (Q4) k of one row; shifting
-// and masking gives one k of all 16 rows, widened to float as d * u + bias, where the
-// bias (-8d, m, or -128d) undoes the format's offset. x is float32 [rows][ldx].
+// and masking gives one k of all 16 rows as integers u, widened to float. Per block the
+// weight is d * u + mn (mn = m for Q4_1, -8d or -128d undoing the others' offset), so
+//
+//   sum_k w_k x_k = d * sum_k u_k x_k + mn * sum_k x_k
+//
+// and only u * x is summed per k; xsum [rows][blocks] holds the blocks' sum_k x_k. With
+// few rows one chain of dependent FMAs per row would bound the tile by FMA latency, not
+// by reading the weights, so each row sums its block in P independent partial sums
+// (about 8 chains in all: two FMA ports, four cycles each).
+// x is float32 [rows][ldx].
 template <int64_t Fmt, int MR>
 inline void tile_widen(const uint8_t* qs, const c10::Half* sc, int64_t B, const float* x,
-                       int64_t ldx, int64_t m0, float* out) {
+                       int64_t ldx, const float* xsum, int64_t m0, float* out) {
   constexpr int S = scale_count(Fmt);
+  constexpr int P = MR >= 8 ? 1 : MR >= 4 ? 2 : 4;  // MR * P chains (MR = 1: 8 measured no faster)
+  constexpr int per_chunk = is_q4(Fmt) ? 8 : 4;
   v16f acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = v16f{};
   for (int64_t b = 0; b < B; ++b) {
@@ -219,7 +237,9 @@ inline void tile_widen(const uint8_t* qs, const c10::Half* sc, int64_t B, const 
     else mn = d * -static_cast<float>(offset_of(Fmt));
     const uint8_t* q = qs + b * qs_bytes(Fmt);
     const float* xb = x + m0 * ldx + b * kBlock;
-    constexpr int per_chunk = is_q4(Fmt) ? 8 : 4;
+    v16f part[MR][P];
+    for (int r = 0; r < MR; ++r)
+      for (int i = 0; i < P; ++i) part[r][i] = v16f{};
     for (int c = 0; c < kBlock / per_chunk; ++c) {
       v16u v;
       std::memcpy(&v, q + 64 * c, sizeof v);
@@ -227,9 +247,14 @@ inline void tile_widen(const uint8_t* qs, const c10::Half* sc, int64_t B, const 
       for (int t = 0; t < per_chunk; ++t) {
         const int shift = is_q4(Fmt) ? 8 * (t % 4) + 4 * (t / 4) : 8 * t;
         const v16u u = (v >> shift) & (is_q4(Fmt) ? 15u : 255u);
-        const v16f wk = __builtin_convertvector(__builtin_convertvector(u, v16i), v16f) * d + mn;
-        for (int r = 0; r < MR; ++r) acc[r] += wk * xb[r * ldx + per_chunk * c + t];
+        const v16f wk = __builtin_convertvector(__builtin_convertvector(u, v16i), v16f);
+        for (int r = 0; r < MR; ++r) part[r][t % P] += wk * xb[r * ldx + per_chunk * c + t];
       }
+    }
+    for (int r = 0; r < MR; ++r) {
+      v16f sum = part[r][0];
+      for (int i = 1; i < P; ++i) sum += part[r][i];
+      acc[r] += sum * d + mn * xsum[(m0 + r) * B + b];
     }
   }
   for (int r = 0; r < MR; ++r) std::memcpy(out + r * kGroupRows, &acc[r], sizeof acc[r]);
