@@ -13,7 +13,7 @@
 // The spec is LlamaDecoderLayer.forward (worker/models/llama.py) with its torch ops; this
 // is the same computation with the same rounding points (T: the activation dtype):
 // RoPE rounds each product and then the sum, as `x1 * cos - x2 * sin` does on T tensors;
-// SiLU rounds once and the product with `up` once. The norms, linear layers and
+// SiLU and its product with `up` are torch's own ops. The norms, linear layers and
 // attention are the same native kernels the unfused layer calls (kernel_entries.h), so
 // what goes away is ~100 torch ops a layer and their Python dispatch, which at batch 1
 // cost more than the layer's arithmetic. Each linear layer runs the path the caller
@@ -107,20 +107,6 @@ void rope_and_cache(const T* qkv, int64_t rows, int64_t heads, int64_t kv_heads,
   }
 }
 
-// out[t, i] = T(T(silu(gate[t, i])) * up[t, i]), gate_up = [gate | up] per row.
-template <typename T>
-FOLIO_NO_FMA void silu_mul(const T* gate_up, int64_t rows, int64_t inter, T* out) {
-  for (int64_t t = 0; t < rows; ++t) {
-    const T* g = gate_up + t * 2 * inter;
-    const T* u = g + inter;
-    T* o = out + t * inter;
-    for (int64_t i = 0; i < inter; ++i) {
-      const float x = g[i];
-      o[i] = static_cast<T>(r<T>(x / (1.f + std::exp(-x))) * static_cast<float>(u[i]));
-    }
-  }
-}
-
 void check(const at::Tensor& hidden, const std::vector<OptTensor>& w,
            const std::vector<int64_t>& meta, const at::Tensor& kv_cache,
            const at::Tensor& slot_mapping, const at::Tensor& cos, const at::Tensor& sin) {
@@ -184,12 +170,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   std::tie(h, res) = rms_norm(o, *w[kPostNorm], eps, res);
   const at::Tensor gate_up = linear(h, w[kGateUp], w[kGateUpScales], c10::nullopt, lm + 6)
                                  .contiguous();
+  // torch's own SiLU and product (its vectorised exp): two ops, the reference's bits
   const int64_t inter = gate_up.size(1) / 2;
-  at::Tensor act = at::empty({rows, inter}, hidden.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(),
-                                  "decode_layer", [&] {
-    silu_mul(gate_up.const_data_ptr<scalar_t>(), rows, inter, act.data_ptr<scalar_t>());
-  });
+  at::Tensor act = at::silu(gate_up.narrow(1, 0, inter));
+  act.mul_(gate_up.narrow(1, inter, inter));
   return {linear(act, w[kDown], w[kDownScales], c10::nullopt, lm + 9), res};
 }
 
