@@ -170,7 +170,7 @@ def serve_single_stream(args) -> dict:
     from text.tokenizer import Tokenizer
     settings = {"model": {"path": args.model, "dtype": args.dtype, "max_model_len": 2048,
                           "quantization": args.quantization},
-                "worker": {"num_threads": args.threads},
+                "worker": {"num_threads": args.threads, "linear_backend": args.linear_backend},
                 "observability": {"log_level": "warning"}}
     reqs = make_workload(Tokenizer.from_model_path(args.model), "fixed", 4, args.context,
                          128, seed=1)
@@ -195,10 +195,13 @@ def run(args) -> dict:
               num_threads=args.threads, max_num_seqs=max(args.batch_sizes),
               max_num_batched_tokens=2048, max_model_len=args.context + args.steps + 64,
               enable_prefix_caching=False, kv_cache_bytes=int(args.kv_cache_gib * 1024 ** 3),
-              **{"observability.log_level": "warning"})
+              **{"observability.log_level": "warning",
+                 "worker.linear_backend": args.linear_backend})
     runner = llm.runner
     layers = linear_layers(runner.model)
     result.update(dtype=str(runner.dtype), quantization=runner.quantization,
+                  linear_backend=args.linear_backend,
+                  fused_decode=runner.model.fused_decode is not None,
                   linear_table=runner.linear_table, threads=torch.get_num_threads())
     result["rows"] = [roofline_row(llm, layers, b, args) for b in args.batch_sizes]
     one = [r for r in result["rows"] if r["batch"] == 1]
@@ -233,6 +236,8 @@ def main(argv=None):
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", default="auto")
+    ap.add_argument("--linear-backend", default="auto",
+                    help="worker.linear_backend (int8: the quantized kernels' integer route)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 64])
     ap.add_argument("--context", type=int, default=128, help="prompt tokens per request")

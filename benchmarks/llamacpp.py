@@ -6,7 +6,8 @@
 ``GGML_NATIVE=ON`` built binaries that died with SIGILL on an AMX Xeon, so the build
 names its instruction sets: AVX2/FMA/F16C always, AVX-512 (+VNNI, +BF16) when this CPU
 has them, AMX off. The folder is keyed by those flags, so a cache copied to another
-kind of CPU is never used there. ``llama-bench``, ``llama-perplexity`` and
+kind of CPU is never used there. ``llama-bench``, ``llama-perplexity``, ``llama-quantize``
+(benchmarks/llama_1b.py) and
 ``llama-server`` are built.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from benchmarks.machine import cpu_model_and_flags  # noqa: E402
 
 VERSION = "0.3.36"
 CACHE = REPO / ".llamacpp"
-TARGETS = ("llama-bench", "llama-perplexity", "llama-server")
+TARGETS = ("llama-bench", "llama-perplexity", "llama-quantize", "llama-server")
 
 
 def cmake_options() -> list[str]:
@@ -52,7 +53,7 @@ def binary(name: str) -> Path | None:
     return path if path.exists() else None
 
 
-def _source() -> Path:
+def source_dir() -> Path:
     """The llama.cpp tree vendored in the sdist, unpacked once under CACHE."""
     root = CACHE / f"src-{VERSION}"
     found = list(root.glob("llama_cpp_python-*/vendor/llama.cpp/CMakeLists.txt"))
@@ -66,7 +67,7 @@ def _source() -> Path:
         with tarfile.open(sdist) as tar:
             tar.extractall(partial, filter="data")
         partial.rename(root)
-    return _source()
+    return source_dir()
 
 
 def build(jobs: int = 2) -> Path:
@@ -76,7 +77,7 @@ def build(jobs: int = 2) -> Path:
     if all((out / t).exists() for t in TARGETS):
         return out
     build_dir = out.parent / "build"
-    subprocess.run(["cmake", "-S", str(_source()), "-B", str(build_dir), "-G", "Ninja",
+    subprocess.run(["cmake", "-S", str(source_dir()), "-B", str(build_dir), "-G", "Ninja",
                     *cmake_options()], check=True)
     subprocess.run(["cmake", "--build", str(build_dir), "-j", str(jobs), "--target",
                     *TARGETS], check=True)

@@ -56,7 +56,7 @@ class EngineHealth:
         """Alive and making progress: a live process whose steps stalled is not healthy."""
         s = self.service
         return (s.engine is not None and s.failure is None
-                and self.seconds_stalled() <= s.step_timeout_s)
+                and self.seconds_stalled() <= s.worker.step_timeout_s)
 
     def detail(self) -> dict[str, float]:
         """Gauges a probe (or a test) needs to see that the engine is alive and clean:
@@ -74,7 +74,7 @@ class EngineHealth:
                 "num_blocks": pool.num_blocks - 1,  # block 0 is the null block
                 "num_referenced_blocks": pool.num_referenced_blocks,
                 "kv_cache_usage": stats.kv_cache_usage, "num_steps": self.num_steps,
-                "num_split_steps": s.num_split_steps,
+                "num_split_steps": s.worker.num_split_steps,
                 "num_preemptions": stats.num_preemptions, "num_clients": len(s.clients.links),
                 # new requests are refused while it sleeps or a sleep waits (RL hooks)
                 "is_sleeping": float(s.engine.control.is_sleeping

@@ -16,8 +16,10 @@ process's adds pass through it); it refuses adds past them with RequestRejected
 Watchdog: a step the worker does not answer within ``services.step_timeout_s`` is a
 hung worker; the loop fails, /health answers 503 and the process exits 1.
 Health: API processes never ask; engine_health.py pushes them snapshots.
-Frames: a step too large for one frame travels in several (step_frames.py); a request
-that could never travel is refused when it is added.
+Worker: worker_link.py sends steps and control verbs and takes the replies. A step's
+outputs are routed to the API processes once the next step is on its way, so routing
+overlaps the forward pass. Frames: a step too large for one frame travels in several
+(step_frames.py); a request that could never travel is refused when it is added.
 LoRA: the engine core is the registry of adapters; engine_lora.py answers the API's
 load/unload/list requests and relays load commands and results to and from the worker.
 Config: config_reload.py re-reads the YAML (file watch, SIGHUP, an API's ReloadConfig),
@@ -31,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import sys
 from collections import defaultdict
 
@@ -56,15 +57,12 @@ from services.engine_core_service.config_reload import (ConfigReloader, PendingR
 from services.engine_core_service.engine_health import EngineHealth
 from services.engine_core_service.engine_lora import EngineLoRA
 from services.engine_core_service.engine_observer import EngineObserver
-from services.engine_core_service.step_frames import refusal_param, step_frames
-from services.engine_core_service.worker_replies import WorkerFailure, next_worker_reply
-from services.protocol import (AbortRequest, AddRequest, ControlRequest, ExecuteStep,
-                               GetMetrics, ListLoRAAdapters, LoadLoRAAdapter,
-                               LoRALoadFinished, Metrics, OutputDelta, ReloadConfig,
-                               RequestRejected, StepResult, UnloadLoRAAdapter,
-                               WorkerControlDone, WorkerControlOp, WorkerReady)
-from services.transport import (MAX_FRAME_BYTES, Endpoint, PeerLink, connect, start_site,
-                                websocket_route)
+from services.engine_core_service.step_frames import refusal_param
+from services.engine_core_service.worker_link import WorkerLink
+from services.protocol import (AbortRequest, AddRequest, ControlRequest, GetMetrics,
+                               ListLoRAAdapters, LoadLoRAAdapter, Metrics, OutputDelta,
+                               ReloadConfig, RequestRejected, UnloadLoRAAdapter, WorkerReady)
+from services.transport import Endpoint, PeerLink, start_site, websocket_route
 
 log = get_logger(__name__)
 
@@ -77,34 +75,23 @@ class EngineCoreService:
         self.config = config
         self.tracing = tracing
         self.observer: EngineObserver | None = None  # made once the worker is known
-        self.worker_endpoint = worker_endpoint
+        self.worker = WorkerLink(worker_endpoint, config.services.step_timeout_s,
+                                 config.services.startup_timeout_s)
         self.engine: EngineCore | None = None
-        self._worker: PeerLink | None = None
-        self._worker_session = None
-        self._worker_replies: asyncio.Queue = asyncio.Queue()
         self.inbox: list[tuple[PeerLink, object]] = []  # adds and aborts between steps
         self._wake = asyncio.Event()
         self.owner: dict[str, PeerLink] = {}  # engine req id (sample id) → API link
-        self._step_ids = itertools.count()
         self.failure: BaseException | None = None
         self.ready: WorkerReady | None = None
         self.clients: APIClients | None = None  # made with the engine
         self.lora: EngineLoRA | None = None  # made with the engine
         self.control: EngineControl | None = None  # made with the engine
-        self.step_timeout_s = config.services.step_timeout_s
         self.health = EngineHealth(self)
-        self.max_frame_bytes = MAX_FRAME_BYTES  # what the worker accepts in one frame
-        self.num_split_steps = 0  # steps that needed more than one frame
         self.reloader = None  # a ConfigReloader once serving (live retune)
 
     async def connect_worker(self, timeout: float = 300.0) -> WorkerReady:
         """Open the worker link and build the EngineCore from its WorkerReady."""
-        self._worker, self._worker_session = await connect(self.worker_endpoint, "worker",
-                                                           timeout=timeout)
-        messages = self._worker.messages()
-        ready = await messages.__anext__()
-        if not isinstance(ready, WorkerReady):
-            raise WorkerFailure(f"worker's first frame was {type(ready).__name__}")
+        ready = await self.worker.connect(self._on_lora_result, timeout)
         self.engine = EngineCore.from_model_facts(self.config.scheduler, self.config.cache,
                                                   ready.facts, executor=None,
                                                   lora_config=self.config.lora,
@@ -113,7 +100,6 @@ class EngineCoreService:
                                   publish_cache=self.config.parallel.data_parallel_size > 1)
         self.lora = EngineLoRA(self.engine)
         self.control = EngineControl(self.engine, self.config.worker, self.health)
-        self._reader = asyncio.get_running_loop().create_task(self._read_worker(messages))
         self.ready = ready
         self.observer = EngineObserver(
             self.config, served_model_name(self.config.model.path,
@@ -123,14 +109,9 @@ class EngineCoreService:
                   max_model_len=ready.facts.max_model_len)
         return ready
 
-    async def _read_worker(self, messages) -> None:
-        async for message in messages:
-            if isinstance(message, LoRALoadFinished):  # arrives between step results
-                self.lora.results.append(message.result)
-                self._wake.set()
-                continue
-            await self._worker_replies.put(message)
-        await self._worker_replies.put(None)  # the link closed
+    def _on_lora_result(self, result) -> None:
+        self.lora.results.append(result)
+        self._wake.set()
 
     async def handle_client(self, link: PeerLink) -> None:
         """One API process: announce the model, then queue its adds and aborts."""
@@ -162,7 +143,7 @@ class EngineCoreService:
         inbox, self.inbox = self.inbox, []
         for link, message in inbox:
             if isinstance(message, PendingRetune):
-                await message.apply(self._ask_worker)
+                await message.apply(self.worker.ask)
                 continue
             if isinstance(message, AbortRequest):
                 self.engine.abort_request(message.req_ids)
@@ -184,7 +165,7 @@ class EngineCoreService:
             if (param := self._unsendable(message)) is not None:
                 await send_to_client(link, RequestRejected(
                     message.req_id, f"the request is too large to reach the model (its "
-                    f"{param} would exceed a {self.max_frame_bytes}-byte frame)", param))
+                    f"{param} would exceed a {self.worker.max_frame_bytes}-byte frame)", param))
                 continue
             try:
                 sample_ids = self.engine.add_request(
@@ -201,34 +182,17 @@ class EngineCoreService:
                 self.owner[sample_id] = link
             self.observer.on_add(message, sample_ids)
 
-    async def _ask_worker(self, op: WorkerControlOp) -> WorkerControlDone:
-        """One control verb on the worker, between steps (a level-2 wake reloads the
-        weights: it may take as long as start-up did)."""
-        await self._worker.send(op)
-        timeout = max(self.step_timeout_s, self.config.services.startup_timeout_s)
-        return await next_worker_reply(self._worker_replies, WorkerControlDone, op.op,
-                                       timeout, "services.startup_timeout_s")
-
     def _unsendable(self, message: AddRequest) -> str | None:
         facts = self.ready.facts
         return refusal_param(message.req_id, message.sampling_params, facts.max_model_len,
-                             facts.block_size, self.max_frame_bytes)
+                             facts.block_size, self.worker.max_frame_bytes)
 
-    async def _execute(self, scheduler_output, traceparent: str | None,
-                       request_traceparents: dict[str, str]) -> ModelRunnerOutput:
-        step_id = next(self._step_ids)
-        frames = step_frames(ExecuteStep(step_id, scheduler_output, traceparent,
-                                         request_traceparents), self.max_frame_bytes)
-        self.num_split_steps += len(frames) > 1
-        for frame in frames:
-            await self._worker.send_frame(frame)
-        reply = await next_worker_reply(self._worker_replies, StepResult, f"step {step_id}",
-                                        self.step_timeout_s, "services.step_timeout_s")
-        if reply.step_id != step_id:
-            raise WorkerFailure(f"worker answered step {reply.step_id}, not {step_id}")
-        if reply.error is not None:
-            raise WorkerFailure(f"worker step failed: {reply.error}")
-        return reply.runner_output
+    async def _deliver(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        """Route a step's outputs and publish what changed; returns the empty list."""
+        if outputs:
+            await self._route(outputs)
+        await self.clients.publish()
+        return []
 
     async def _route(self, outputs: list[EngineCoreOutput]) -> None:
         by_link: dict[PeerLink, list[EngineCoreOutput]] = defaultdict(list)
@@ -248,27 +212,34 @@ class EngineCoreService:
         publisher = asyncio.get_running_loop().create_task(self.health.publish_forever())
         try:
             is_stalled = False  # the last step ran nothing (requests wait for adapters)
+            # A step's outputs go to the API processes once the next step is on its way
+            # to the worker, so routing them overlaps its forward pass instead of
+            # delaying it (or at once, when no step follows).
+            pending: list[EngineCoreOutput] = []
             while True:
                 if not self.inbox and not self.lora.results and not self.control.is_ready() \
                         and (is_stalled or not self.engine.has_unfinished_requests()):
+                    pending = await self._deliver(pending)
                     self._wake.clear()
                     await self._idle(is_stalled)
                 await self._apply_inbox()
-                await self.control.run_ready(self._ask_worker)
+                await self.control.run_ready(self.worker.ask)
                 await self.clients.publish()  # a prefix-cache reset's news goes out now
                 await self.lora.apply_results(self.owner)
                 scheduler_output = self.engine.begin_step()
-                await self.lora.send_commands(self._worker)
+                await self.lora.send_commands(self.worker.link)
                 traceparents = self.observer.begin_step(scheduler_output)
                 is_stalled = not self.engine.needs_worker(scheduler_output)
-                runner_output = (ModelRunnerOutput() if is_stalled else
-                                 await self._execute(scheduler_output, *traceparents))
+                step_id = (None if is_stalled else
+                           await self.worker.send_step(scheduler_output, *traceparents))
+                pending = await self._deliver(pending)
+                runner_output = (ModelRunnerOutput() if step_id is None else
+                                 await self.worker.step_result(step_id))
                 outputs = self.engine.end_step(scheduler_output, runner_output)
-                await self.lora.send_commands(self._worker)  # evictions of idle adapters
+                await self.lora.send_commands(self.worker.link)  # evictions of idle adapters
                 is_stalled = is_stalled and not outputs
                 self.observer.end_step(scheduler_output, outputs, self.engine, runner_output)
-                await self._route(outputs)
-                await self.clients.publish()
+                pending = outputs
                 self.health.on_step()
                 await asyncio.sleep(0)  # let client handlers queue their messages
         except BaseException as e:
@@ -288,15 +259,8 @@ class EngineCoreService:
         self.health.on_wake()
 
     async def close(self, timeout: float = 1.0) -> None:
-        """Close the worker link (the client links close with the site). A hung worker
-        never answers the close handshake, so it is not waited for long."""
-        try:
-            if self._worker is not None:
-                await asyncio.wait_for(self._worker.close(), timeout)
-        except asyncio.TimeoutError:
-            log.info("the worker did not answer the close handshake")
-        if self._worker_session is not None:
-            await self._worker_session.close()
+        """Close the worker link (the client links close with the site)."""
+        await self.worker.close(timeout)
 
     def app(self) -> web.Application:
         app = web.Application()

@@ -141,7 +141,8 @@ def test_publisher_sends_changes_at_most_every_100ms_and_heartbeats_otherwise():
     clients = APIClients(engine)
     clients.links.add(link)
     service = SimpleNamespace(engine=engine, clients=clients, owner={}, inbox=[],
-                              failure=None, step_timeout_s=120.0, num_split_steps=0)
+                              failure=None,
+                              worker=SimpleNamespace(step_timeout_s=120.0, num_split_steps=0))
     health = EngineHealth(service)
 
     async def main():

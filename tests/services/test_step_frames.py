@@ -49,13 +49,13 @@ def hold_inbox_until(core, num_messages: int) -> None:
     core._apply_inbox = gated
 
 
-def _stack_test(tiny_llama_dir, default_model_path, tmp_path, body, **core_attrs):
+def _stack_test(tiny_llama_dir, default_model_path, tmp_path, body, **link_attrs):
     config = tiny_config(tiny_llama_dir, default_model_path)
 
     async def main():
         _, core, engine_ep, runners, loop_task = await start_core_stack(config, tmp_path)
-        for name, value in core_attrs.items():
-            setattr(core, name, value)
+        for name, value in link_attrs.items():  # of the engine core's worker link
+            setattr(core.worker, name, value)
         link, session = await connect(engine_ep, "api-test")
         try:
             await body(core, link, loop_task)
@@ -157,7 +157,7 @@ def test_oversized_steps_are_split_and_give_the_same_tokens(
             await link.send(AddRequest(req_id, prompt, params, "api-0", time.time()))
         tokens, rejected = await _serve(loop_task, link, set(prompts))
         assert not rejected and tokens == expected
-        assert core.num_split_steps >= 1
+        assert core.worker.num_split_steps >= 1
     _stack_test(tiny_llama_dir, default_model_path, tmp_path, body,
                 max_frame_bytes=1_000_000)
 

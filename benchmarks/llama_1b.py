@@ -1,0 +1,102 @@
+"""A random-weight ~1B Llama, written on the spot for the benchmarks at scale (no download).
+
+The shape is TinyLlama-1.1B's (22 layers, hidden 2048, 32 query / 4 KV heads of 64,
+intermediate 5632, untied LM head) with SmolLM2's 49,152-token vocabulary, so the
+default model's tokenizer serves it: 1.17B parameters. Three files come out of one
+seed, all the same weights:
+
+* ``hf/``: ``config.json``, bf16 safetensors and SmolLM2's ``tokenizer.json`` (taken
+  from the default GGUF by transformers), what Folio and Hugging Face load;
+* ``model-q8_0.gguf`` and ``model-q4_1.gguf``: that folder converted by llama.cpp's own
+  ``convert_hf_to_gguf.py`` (from the sdist benchmarks/llamacpp.py unpacks) to f16,
+  then ``llama-quantize --pure`` (every matrix in the one format, the embedding and LM
+  head included, as Folio's kernels take them).
+
+Weights are N(0, 0.05) like benchmarks/random_checkpoints.py's full shapes.
+
+    .venv/bin/python benchmarks/llama_1b.py /tmp/llama-1b      # writes, prints the paths
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks import llamacpp  # noqa: E402
+from benchmarks.random_checkpoints import architecture  # noqa: E402
+
+SMOLLM2_VOCAB = 49152
+FORMATS = ("q8_0", "q4_1")
+
+
+def config_kwargs() -> dict:
+    arch = dict(architecture("tinyllama-random"), vocab_size=SMOLLM2_VOCAB)
+    return arch
+
+
+def write_hf(folder: Path, seed: int = 0) -> Path:
+    """The bf16 checkpoint and SmolLM2's tokenizer in ``folder``."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from model_files.paths import default_model_path
+    if (folder / "model.safetensors.index.json").exists() or (folder / "model.safetensors").exists():
+        return folder
+    gguf = default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = LlamaConfig(bos_token_id=tokenizer.bos_token_id or 1,
+                         eos_token_id=tokenizer.eos_token_id or 2, rms_norm_eps=1e-5,
+                         initializer_range=0.05, torch_dtype="bfloat16", **config_kwargs())
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def convert(hf: Path, out: Path, fmt: str, jobs: int = 2) -> Path:
+    """``hf`` as a GGUF in ``fmt``, by llama.cpp's converter and llama-quantize."""
+    target = out / f"model-{fmt}.gguf"
+    if target.exists():
+        return target
+    f16 = out / "model-f16.gguf"
+    if not f16.exists():
+        src = llamacpp.source_dir()
+        env = dict(os.environ, PYTHONPATH=str(src / "gguf-py"), NO_LOCAL_GGUF="")
+        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf),
+                        "--outtype", "f16", "--outfile", str(f16)], check=True, env=env)
+    quantize = llamacpp.binary("llama-quantize") or llamacpp.build(jobs) / "llama-quantize"
+    subprocess.run([str(quantize), "--pure", str(f16), str(target), fmt.upper(), "2"],
+                   check=True)
+    return target
+
+
+def write_all(out: Path, seed: int = 0, keep_f16: bool = False) -> dict:
+    hf = write_hf(out / "hf", seed)
+    paths = {"hf": str(hf)}
+    for fmt in FORMATS:
+        paths[fmt] = str(convert(hf, out, fmt))
+    if not keep_f16:
+        (out / "model-f16.gguf").unlink(missing_ok=True)
+    return paths
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    print(json.dumps(write_all(args.out, args.seed), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
