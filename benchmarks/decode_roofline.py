@@ -138,8 +138,8 @@ def bandwidth_row(runner, step_seconds: float, bandwidth: float, context: int) -
             "fraction_of_bandwidth_limit": limit / step_seconds}
 
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
+def _status_bytes(field: str, pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
@@ -166,22 +166,42 @@ def serve_single_stream(args) -> dict:
     """One client through `folio serve`: decode tok/s as 1 / mean TPOT."""
     from benchmarks.serve_stack import served_model, serving
     from folio.bench.serve import LoadSpec, bench_serve
+    from model_files.paths import resolve_model_path
     from folio.bench.workload import make_workload
     from text.tokenizer import Tokenizer
+    kv_bytes = int(args.kv_cache_gib * 1024 ** 3)
     settings = {"model": {"path": args.model, "dtype": args.dtype, "max_model_len": 2048,
                           "quantization": args.quantization},
+                "memory": {"kv_cache_bytes": kv_bytes},
                 "worker": {"num_threads": args.threads, "linear_backend": args.linear_backend},
                 "observability": {"log_level": "warning"}}
     reqs = make_workload(Tokenizer.from_model_path(args.model), "fixed", 4, args.context,
                          128, seed=1)
-    with serving(settings) as (url, _):
+    with serving(settings) as (url, pid):
         model = served_model(url)
         bench_serve(url, model, reqs[:1], LoadSpec(max_concurrency=1))  # warm-up
         report = bench_serve(url, model, reqs, LoadSpec(max_concurrency=1))
+        memory = worker_memory(pid, Path(resolve_model_path(args.model)), kv_bytes)
     tok_s = 1000 / report["tpot_ms"]["mean"]
     print(f"folio serve, 1 client: TPOT {report['tpot_ms']['mean']:.2f} ms -> "
           f"{tok_s:.1f} tok/s", flush=True)
-    return {"tpot_ms": report["tpot_ms"], "tok_s": tok_s, "failed": report["failed"]}
+    return {"tpot_ms": report["tpot_ms"], "tok_s": tok_s, "failed": report["failed"],
+            "worker_memory": memory}
+
+
+def worker_memory(serve_pid: int, model_file: Path, kv_bytes: int) -> dict:
+    """The worker process's resident memory against the issue's bound: the model file's
+    size plus the KV pool plus 300 MB."""
+    from observability.process_stats import command_line, descendants
+    worker = next(p for p in descendants(serve_pid)
+                  if "services.worker_service" in " ".join(command_line(p)))
+    rss, peak = (_status_bytes(field, worker) for field in ("VmRSS", "VmHWM"))
+    files = [model_file] if model_file.is_file() else list(model_file.glob("*.safetensors"))
+    bound = sum(f.stat().st_size for f in files) + kv_bytes + 300 * 2 ** 20
+    print(f"worker RSS {rss / 2 ** 20:.0f} MiB (peak {peak / 2 ** 20:.0f}) vs bound "
+          f"{bound / 2 ** 20:.0f} MiB", flush=True)
+    return {"rss_bytes": rss, "peak_rss_bytes": peak, "kv_pool_bytes": kv_bytes,
+            "bound_bytes": bound, "within_bound": rss <= bound}
 
 
 def run(args) -> dict:

@@ -217,11 +217,13 @@ class EngineCoreService:
             # delaying it (or at once, when no step follows).
             pending: list[EngineCoreOutput] = []
             while True:
-                if not self.inbox and not self.lora.results and not self.control.is_ready() \
-                        and (is_stalled or not self.engine.has_unfinished_requests()):
+                if self._has_nothing_to_do(is_stalled):
                     pending = await self._deliver(pending)
-                    self._wake.clear()
-                    await self._idle(is_stalled)
+                    # checked again: an add may have come in while delivering, and the
+                    # wake-up it set must not be cleared unseen
+                    if self._has_nothing_to_do(is_stalled):
+                        self._wake.clear()
+                        await self._idle(is_stalled)
                 await self._apply_inbox()
                 await self.control.run_ready(self.worker.ask)
                 await self.clients.publish()  # a prefix-cache reset's news goes out now
@@ -250,6 +252,10 @@ class EngineCoreService:
             if self.failure is not None and not isinstance(self.failure,
                                                            asyncio.CancelledError):
                 await self.health.publish(force=True)  # every API process: 503 now
+
+    def _has_nothing_to_do(self, is_stalled: bool) -> bool:
+        return (not self.inbox and not self.lora.results and not self.control.is_ready()
+                and (is_stalled or not self.engine.has_unfinished_requests()))
 
     async def _idle(self, is_stalled: bool) -> None:
         """Sleep until an add, an abort or a load result wakes the loop (stalled on
