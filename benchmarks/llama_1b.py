@@ -5,8 +5,8 @@ intermediate 5632, untied LM head) with SmolLM2's 49,152-token vocabulary, so th
 default model's tokenizer serves it: 1.17B parameters. Three files come out of one
 seed, all the same weights:
 
-* ``hf/``: ``config.json``, bf16 safetensors and SmolLM2's ``tokenizer.json`` (taken
-  from the default GGUF by transformers), what Folio and Hugging Face load;
+* ``hf/``: ``config.json``, bf16 safetensors and SmolLM2's ``tokenizer.json`` (rebuilt
+  from the default GGUF by Folio's own GGUF tokenizer), what Folio and Hugging Face load;
 * ``model-q8_0.gguf`` and ``model-q4_1.gguf``: that folder converted by llama.cpp's own
   ``convert_hf_to_gguf.py`` (from the sdist benchmarks/llamacpp.py unpacks) to f16,
   then ``llama-quantize --pure`` (every matrix in the one format, the embedding and LM
@@ -14,7 +14,10 @@ seed, all the same weights:
 
 Weights are N(0, 0.05) like benchmarks/random_checkpoints.py's full shapes.
 
+    .venv/bin/pip install -e ".[bench]" torch==2.13.0          # sentencepiece, see below
     .venv/bin/python benchmarks/llama_1b.py /tmp/llama-1b      # writes, prints the paths
+
+(llama.cpp's converter imports sentencepiece before it falls back to tokenizer.json.)
 """
 from __future__ import annotations
 
@@ -40,25 +43,37 @@ def config_kwargs() -> dict:
     return arch
 
 
+def write_tokenizer(folder: Path) -> tuple[int, int]:
+    """SmolLM2's tokenizer as Folio rebuilds it from the default GGUF (the right
+    pre-tokenizer: transformers' GGUF conversion drops its digit rule, and llama.cpp's
+    converter would then not recognise it), as ``tokenizer.json`` plus the config
+    transformers reads; returns the (bos, eos) ids."""
+    from model_files.gguf_file import GGUFFile
+    from model_files.paths import default_model_path
+    from text.gguf_tokenizer import build_gguf_tokenizer
+    parts = build_gguf_tokenizer(GGUFFile(default_model_path()).metadata)
+    folder.mkdir(parents=True, exist_ok=True)
+    parts.tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": parts.bos_token,
+        "eos_token": parts.eos_token, "chat_template": parts.chat_template,
+        "add_bos_token": False, "clean_up_tokenization_spaces": False}, indent=1))
+    vocab = parts.tokenizer.get_vocab()
+    return vocab[parts.bos_token], vocab[parts.eos_token]
+
+
 def write_hf(folder: Path, seed: int = 0) -> Path:
     """The bf16 checkpoint and SmolLM2's tokenizer in ``folder``."""
     import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from model_files.paths import default_model_path
-    if (folder / "model.safetensors.index.json").exists() or (folder / "model.safetensors").exists():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    bos, eos = write_tokenizer(folder)
+    if (folder / "model.safetensors").exists():
         return folder
-    gguf = default_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = LlamaConfig(bos_token_id=tokenizer.bos_token_id or 1,
-                         eos_token_id=tokenizer.eos_token_id or 2, rms_norm_eps=1e-5,
+    config = LlamaConfig(bos_token_id=bos, eos_token_id=eos, rms_norm_eps=1e-5,
                          initializer_range=0.05, torch_dtype="bfloat16", **config_kwargs())
     torch.manual_seed(seed)
-    with torch.device("cpu"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
-    folder.mkdir(parents=True, exist_ok=True)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
     return folder
 
 

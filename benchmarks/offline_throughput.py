@@ -23,6 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.machine import machine_facts  # noqa: E402
+
 
 def make_workload(n, seed, prompt_range, output_range, vocab_size):
     rng = random.Random(seed)
@@ -55,12 +57,17 @@ def run_folio(reqs, args):
     return {"seconds": elapsed, "output_tokens": num_out}
 
 
-def load_hf_model(dtype):
+def load_hf_model(model_arg: str, dtype):
+    """The same model through transformers: a GGUF dequantised (to float32, then
+    ``dtype``), a checkpoint folder as stored."""
     from transformers import AutoModelForCausalLM
-    from model_files.paths import resolve_model_path
-    path = resolve_model_path("default")
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                 dtype=torch.float32)
+    from model_files.paths import is_gguf_file, resolve_model_path
+    path = resolve_model_path(model_arg)
+    if is_gguf_file(path):
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                     dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.to(dtype).eval()
 
 
@@ -97,7 +104,8 @@ def hf_static_batch_generate(model, reqs, batch_size: int) -> dict:
 
 
 def run_hf(reqs, args, dtype):
-    return hf_static_batch_generate(load_hf_model(dtype), reqs, args.hf_batch_size)
+    return hf_static_batch_generate(load_hf_model(args.model, dtype), reqs,
+                                    args.hf_batch_size)
 
 
 def main():
@@ -124,7 +132,8 @@ def main():
                            "output_len": args.output_len, "seed": args.seed,
                            "prompt_tokens": sum(len(p) for p, _ in reqs),
                            "output_tokens": sum(o for _, o in reqs)},
-              "dtype": args.dtype, "threads": args.threads}
+              "model": args.model, "dtype": args.dtype, "threads": args.threads,
+              "machine": machine_facts()}
     result["folio"] = run_folio(reqs, args)
     result["folio"]["output_tok_s"] = result["folio"]["output_tokens"] / result["folio"]["seconds"]
     print(f"folio : {result['folio']['output_tok_s']:8.1f} output tok/s "
