@@ -12,7 +12,8 @@ The torch references read ``token_slots``; the CPU path walks ``runs`` (slices, 
 gather: the input batch orders requests by adapter so runs are few), or, when the runs
 are many and short (decode), takes their padded per-slot layout ``slot_batch``
 (kernels/lora_slot_batch.py); the Triton
-kernels give each program a tile of one group's rows (``sorted_token_ids``), so one
+kernels (kernels/triton_lora.py) give each program a tile of one group's rows
+(``sorted_token_ids``), so one
 adapter matrix serves the whole tile, whether its rows are one prefill chunk (a
 segment, SGMV) or decode rows gathered from across the batch (BGMV). Tokens of the
 base model appear in no run and no group: they cost the LoRA path nothing.
@@ -23,8 +24,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 
 from kernels.lora_slot_batch import SlotBatch, make_slot_batch
 from kernels.paged_attention import pack_aligned
@@ -56,21 +55,6 @@ class LoRAMapping:
     @property
     def num_tokens(self) -> int:
         return self.token_slots.shape[0]
-
-
-@triton.jit
-def group_tile(sorted_ids_ptr, group_slots_ptr, group_starts_ptr, BLOCK_M: tl.constexpr):
-    """The tile of one group's rows a LoRA kernel program owns, on grid axes (group,
-    row tile): (slot, token ids, row mask, whether the tile holds any row)."""
-    group = tl.program_id(0)
-    start = tl.load(group_starts_ptr + group)
-    end = tl.load(group_starts_ptr + group + 1)
-    first = start + tl.program_id(1) * BLOCK_M
-    rows = first + tl.arange(0, BLOCK_M)
-    row_ok = rows < end
-    tok = tl.load(sorted_ids_ptr + rows, mask=row_ok, other=0).to(tl.int64)
-    slot = tl.load(group_slots_ptr + group).to(tl.int64)
-    return slot, tok, row_ok, first < end
 
 
 def make_lora_mapping(request_slots: list[int], query_start_loc: list[int],

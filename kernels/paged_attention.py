@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.kv_quant import load_kv, round_through_cache
-from kernels.triton_paged_attention import choose_num_splits, ragged_paged_attention
+from kernels.split_kv import choose_num_splits
 
 
 @dataclass(slots=True)
@@ -250,6 +250,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     plan says so, and prefill segments (and every decode otherwise) through the torch
     reference."""
     if plan.ragged is not None:
+        # Triton is imported by the GPU path only: a CPU worker never loads it (~70 MB)
+        from kernels.triton_paged_attention import ragged_paged_attention
         m = plan.ragged
         return ragged_paged_attention(query, kv_cache, m.block_tables, m.seq_lens,
                                       m.query_start_loc, m.max_query_len, scale,

@@ -33,8 +33,6 @@ import triton.language as tl
 
 from kernels.kv_quant import is_fp8
 
-MAX_SPLITS = 16
-MIN_KEYS_PER_SPLIT = 256
 
 
 def _interpreting() -> bool:
@@ -199,21 +197,6 @@ def tile_shape(group: int, max_query_len: int) -> tuple[int, int]:
     rows = 16 if max_query_len == 1 else 64
     rows = max(rows, triton.next_power_of_2(group))
     return rows, rows // group
-
-
-def choose_num_splits(num_reqs: int, num_kv_heads: int, max_query_len: int,
-                      max_seq_len: int, num_sms: int) -> int:
-    """How many parts to cut each request's keys into (1 = no split-KV).
-
-    Only decode-only batches split, and only when their ``num_reqs * num_kv_heads``
-    programs would leave streaming multiprocessors idle; each part keeps at least
-    MIN_KEYS_PER_SPLIT keys. A power of two, at most MAX_SPLITS.
-    """
-    programs = num_reqs * num_kv_heads
-    if max_query_len != 1 or programs >= num_sms or max_seq_len < 2 * MIN_KEYS_PER_SPLIT:
-        return 1
-    wanted = min(-(-num_sms // programs), max_seq_len // MIN_KEYS_PER_SPLIT, MAX_SPLITS)
-    return 1 << (wanted.bit_length() - 1)  # round down to a power of two
 
 
 def ragged_paged_attention(query: torch.Tensor, kv_cache: torch.Tensor,

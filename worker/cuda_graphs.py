@@ -31,7 +31,7 @@ import time
 import torch
 
 from kernels.paged_attention import PagedAttentionPlan, RaggedAttentionMetadata
-from kernels.triton_paged_attention import choose_num_splits
+from kernels.split_kv import choose_num_splits
 from observability.logging import get_logger
 from worker.attention_backend import AttentionBackend
 from worker.input_batch import InputBatch

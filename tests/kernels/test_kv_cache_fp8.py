@@ -12,7 +12,8 @@ import torch
 
 from kernels.kv_quant import fp8_mantissa_bits, quantize_kv, round_through_cache
 from kernels.paged_attention import make_plan, paged_attention_reference
-from kernels.reshape_and_cache import reshape_and_cache_reference, reshape_and_cache_triton
+from kernels.reshape_and_cache import reshape_and_cache_reference
+from kernels.triton_reshape_and_cache import reshape_and_cache_triton
 from kernels.triton_paged_attention import ragged_paged_attention
 from tests.kernels.ragged_case import DEVICE, make_case
 

@@ -10,12 +10,11 @@ import pytest
 import torch
 
 from kernels import cpu_extension
-from kernels.lora_expand import (lora_expand, lora_expand_cpu, lora_expand_reference,
-                                 lora_expand_triton)
+from kernels.lora_expand import lora_expand, lora_expand_cpu, lora_expand_reference
 from kernels.lora_mapping import NO_SLOT, make_lora_mapping
 from kernels.lora_slot_batch import lora_add_slot_batch
-from kernels.lora_shrink import (lora_shrink, lora_shrink_cpu, lora_shrink_reference,
-                                 lora_shrink_triton)
+from kernels.lora_shrink import lora_shrink, lora_shrink_cpu, lora_shrink_reference
+from kernels.triton_lora import lora_expand_triton, lora_shrink_triton
 from tests.kernels.ragged_case import DEVICE, INTERPRETING
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

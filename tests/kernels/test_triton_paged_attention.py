@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from kernels.paged_attention import make_ragged_plan, paged_attention
-from kernels.triton_paged_attention import (choose_num_splits, ragged_paged_attention,
-                                            tile_shape)
+from kernels.split_kv import choose_num_splits
+from kernels.triton_paged_attention import ragged_paged_attention, tile_shape
 from tests.kernels.ragged_case import DEVICE, make_case
 
 TOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}

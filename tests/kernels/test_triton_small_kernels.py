@@ -5,9 +5,12 @@ Interpreted on the CPU (TRITON_INTERPRET=1 from tests/conftest.py), compiled on 
 import pytest
 import torch
 
-from kernels.reshape_and_cache import reshape_and_cache_reference, reshape_and_cache_triton
-from kernels.rms_norm import rms_norm, rms_norm_reference, rms_norm_triton
-from kernels.rotary_embedding import rotary_embedding_reference, rotary_embedding_triton
+from kernels.reshape_and_cache import reshape_and_cache_reference
+from kernels.rms_norm import rms_norm, rms_norm_reference
+from kernels.rotary_embedding import rotary_embedding_reference
+from kernels.triton_reshape_and_cache import reshape_and_cache_triton
+from kernels.triton_rms_norm import rms_norm_triton
+from kernels.triton_rotary_embedding import rotary_embedding_triton
 from tests.kernels.ragged_case import DEVICE, INTERPRETING
 from worker.models.rotary_embedding import RotaryEmbedding
 

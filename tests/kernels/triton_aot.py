@@ -33,17 +33,17 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import create_function_from_signature  # noqa: E402
 
-from kernels import lora_expand, lora_shrink, reshape_and_cache, rms_norm  # noqa: E402
-from kernels import rotary_embedding  # noqa: E402
+from kernels import triton_lora, triton_reshape_and_cache, triton_rms_norm  # noqa: E402
+from kernels import triton_rotary_embedding  # noqa: E402
 from kernels.lora_mapping import make_lora_mapping  # noqa: E402
 from kernels import triton_paged_attention as tpa  # noqa: E402
 from tests.kernels.cubin_resources import cubin_resources  # noqa: E402
 
 _TYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 KERNELS = [(tpa, "_ragged_paged_attention_kernel"), (tpa, "_merge_splits_kernel"),
-           (reshape_and_cache, "_reshape_and_cache_kernel"), (rms_norm, "_rms_norm_kernel"),
-           (rotary_embedding, "_rotary_kernel"), (lora_shrink, "_lora_shrink_kernel"),
-           (lora_expand, "_lora_expand_kernel")]
+           (triton_reshape_and_cache, "_reshape_and_cache_kernel"),
+           (triton_rms_norm, "_rms_norm_kernel"), (triton_rotary_embedding, "_rotary_kernel"),
+           (triton_lora, "_lora_shrink_kernel"), (triton_lora, "_lora_expand_kernel")]
 
 
 @dataclass(slots=True)
@@ -106,17 +106,17 @@ def _call_launchers(device: str) -> None:
                                    (torch.float32, torch.float16),
                                    (torch.bfloat16, torch.float8_e4m3fn)]:
         key = torch.empty(3, 3, 64, dtype=key_dtype, device=device)
-        reshape_and_cache.reshape_and_cache_triton(
+        triton_reshape_and_cache.reshape_and_cache_triton(
             key, key, torch.empty(2, 4, 16, 3, 64, dtype=cache_dtype, device=device),
             torch.zeros(3, dtype=torch.int64, device=device))
     for dtype, hidden, residual in [(torch.bfloat16, 576, True), (torch.float32, 4096, False)]:
         x = torch.empty(2, hidden, dtype=dtype, device=device)
-        rms_norm.rms_norm_triton(x, torch.empty(hidden, dtype=dtype, device=device), 1e-5,
-                                 x if residual else None)
+        weight = torch.empty(hidden, dtype=dtype, device=device)
+        triton_rms_norm.rms_norm_triton(x, weight, 1e-5, x if residual else None)
     q, k, cos = (torch.empty(2, 9, 64, dtype=torch.bfloat16, device=device),
                  torch.empty(2, 3, 64, dtype=torch.bfloat16, device=device),
                  torch.empty(2, 1, 32, dtype=torch.bfloat16, device=device))
-    rotary_embedding.rotary_embedding_triton(q, k, cos, cos)
+    triton_rotary_embedding.rotary_embedding_triton(q, k, cos, cos)
     _call_lora_launchers(device)
 
 
@@ -128,10 +128,10 @@ def _call_lora_launchers(device: str) -> None:
     for dtype in (torch.bfloat16, torch.float32):
         x = torch.empty(5, 576, dtype=dtype, device=device)
         a = torch.empty(4, 576, 48, dtype=dtype, device=device).transpose(1, 2)
-        xa = lora_shrink.lora_shrink_triton(x, a, mapping)
+        xa = triton_lora.lora_shrink_triton(x, a, mapping)
         y = torch.empty(5, 960, dtype=dtype, device=device)
         b = torch.empty(4, 16, 960, dtype=dtype, device=device).transpose(1, 2)
-        lora_expand.lora_expand_triton(y[:, :576], xa[:, :16], b[:, :576], mapping)
+        triton_lora.lora_expand_triton(y[:, :576], xa[:, :16], b[:, :576], mapping)
 
 
 def record_launches(device: str = "cpu", live: bool = False) -> list[Launch]:

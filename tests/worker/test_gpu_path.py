@@ -104,7 +104,7 @@ def test_decode_graph_padding_matches_eager(make_tiny_llm, monkeypatch):
     """What a captured graph runs, on a batch padded from 3 to 4 rows, equals the eager
     step on the 3 real rows, and the padding writes nothing into the KV cache."""
     import worker.models.llama as llama
-    from kernels.reshape_and_cache import reshape_and_cache_triton
+    from kernels.triton_reshape_and_cache import reshape_and_cache_triton
     # on CUDA the model writes K/V with the Triton kernel, which skips slot -1
     monkeypatch.setattr(llama, "reshape_and_cache", reshape_and_cache_triton)
     runner = make_tiny_llm(attention_backend="triton", max_model_len=64,
