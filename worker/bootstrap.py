@@ -20,6 +20,7 @@ from worker.distributed.follower import check_tp_supported
 from worker.distributed.tp_group import init_tp_group
 from worker.draft_runner import check_draft_tokenizer
 from worker.model_runner import ModelRunner
+from worker.quantization import release_freed_memory
 from worker.worker_control import WorkerControl
 
 
@@ -58,6 +59,7 @@ def bootstrap_model(config: FolioConfig) -> LoadedModel:
         check_draft_tokenizer(tokenizer, config.speculative.draft_model)
     eos_token_ids = list(dict.fromkeys((*runner.eos_token_ids, *tokenizer.eos_token_ids)))
     runner.structured_output.use_tokenizer(tokenizer, eos_token_ids)
+    release_freed_memory()  # what sizing the pool and parsing the tokenizer left behind
     facts = ModelFacts(num_blocks=num_blocks, block_size=config.memory.block_size,
                        max_model_len=runner.max_model_len,
                        vocab_size=runner.arch.vocab_size, eos_token_ids=eos_token_ids,
