@@ -28,6 +28,17 @@ async def start_core_stack(config, tmp_path):
     return worker, core, engine_ep, runners, task
 
 
+async def stop_core_stack(core, runners, loop_task, *closables) -> None:
+    """Close ``closables`` (links, client sessions) first, then the engine core's loop,
+    the core and every site of :func:`start_core_stack`."""
+    for thing in closables:
+        await thing.close()
+    loop_task.cancel()
+    await core.close()
+    for runner in runners:
+        await runner.cleanup()
+
+
 async def collect_outputs(link, want: set[str]) -> tuple[dict, dict]:
     """Read an engine-core link until every id in ``want`` ended: tokens per sample id
     and each RequestRejected by request id (a rejection ends all of its samples)."""

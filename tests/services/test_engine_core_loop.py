@@ -10,7 +10,8 @@ import time
 from engine_core.sampling_params import SamplingParams
 from services.protocol import AddRequest
 from services.transport import connect
-from tests.services.service_stack import collect_outputs, start_core_stack, tiny_config
+from tests.services.service_stack import (collect_outputs, start_core_stack,
+                                          stop_core_stack, tiny_config)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -44,10 +45,5 @@ def test_an_add_during_the_last_delivery_is_served(tiny_llama_dir, default_model
             assert len(tokens["first"]) == 8 and len(tokens["second"]) == 8
             assert not loop_task.done()
         finally:
-            await link.close()
-            await session.close()
-            loop_task.cancel()
-            await core.close()
-            for r in runners:
-                await r.cleanup()
+            await stop_core_stack(core, runners, loop_task, link, session)
     asyncio.run(main())

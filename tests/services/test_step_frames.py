@@ -15,7 +15,8 @@ from services.engine_core_service.step_frames import (StepTooLarge, new_request_
                                                       step_frames)
 from services.protocol import AddRequest, ExecuteStep, StageNewRequests, decode, encode
 from services.transport import connect
-from tests.services.service_stack import collect_outputs, start_core_stack, tiny_config
+from tests.services.service_stack import (collect_outputs, start_core_stack,
+                                          stop_core_stack, tiny_config)
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -60,12 +61,7 @@ def _stack_test(tiny_llama_dir, default_model_path, tmp_path, body, **link_attrs
         try:
             await body(core, link, loop_task)
         finally:
-            await link.close()
-            await session.close()
-            loop_task.cancel()
-            await core.close()
-            for r in runners:
-                await r.cleanup()
+            await stop_core_stack(core, runners, loop_task, link, session)
     asyncio.run(main())
 
 
