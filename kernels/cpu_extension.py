@@ -116,12 +116,16 @@ def _torch_default_root() -> Path:
     return Path(cache) / "torch_extensions" / f"py{major}{minor}_{variant}"
 
 
-def _build_directory(name: str) -> Path:
+def build_root() -> Path:
+    """The folder that holds the extension's build folders (see the module docstring)."""
     configured = os.environ.get("FOLIO_CACHE_DIR")
     if configured is None or configured.strip().lower() in _CACHE_OFF:
-        path = _torch_default_root() / name
-    else:
-        path = Path(configured).expanduser() / "torch_extensions" / name
+        return _torch_default_root()
+    return Path(configured).expanduser() / "torch_extensions"
+
+
+def _build_directory(name: str) -> Path:
+    path = build_root() / name
     path.mkdir(parents=True, exist_ok=True)
     return path
 

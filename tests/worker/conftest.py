@@ -23,10 +23,26 @@ from worker.loader import LoadedModel, load_model  # noqa: E402
 from model_files.paths import default_model_path  # noqa: E402
 
 
+@pytest.fixture(scope="session")
+def _kernel_build_root() -> Path:
+    """Where the native CPU kernels build outside these tests (before any test points
+    FOLIO_CACHE_DIR elsewhere): one build shared by every test and every process."""
+    from kernels import cpu_extension
+    return cpu_extension.build_root()
+
+
 @pytest.fixture(autouse=True)
-def _private_weight_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Each test gets an empty weight cache, never the user's ~/.cache/folio."""
+def _private_weight_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                          _kernel_build_root: Path) -> Path:
+    """Each test gets an empty weight cache, never the user's ~/.cache/folio.
+
+    The kernels' build folder inside it links to the shared one: an empty one would
+    make every process a test starts (ranks, services) compile the extension again,
+    about 40 s each on two cores, and no test here is about that build."""
     cache_dir = tmp_path / "folio-cache"
+    cache_dir.mkdir()
+    _kernel_build_root.mkdir(parents=True, exist_ok=True)
+    (cache_dir / "torch_extensions").symlink_to(_kernel_build_root, target_is_directory=True)
     monkeypatch.setenv("FOLIO_CACHE_DIR", str(cache_dir))
     return cache_dir
 

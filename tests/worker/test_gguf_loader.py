@@ -234,4 +234,5 @@ def test_cache_can_be_switched_off(tmp_path, monkeypatch, _private_weight_cache)
     monkeypatch.setenv("FOLIO_CACHE_DIR", "off")
     write_tiny_gguf(tmp_path / "tiny.gguf")
     load_model(tmp_path / "tiny.gguf", torch.float32)
-    assert not _private_weight_cache.exists()
+    # nothing written beside the kernels' build link the fixture made
+    assert [p.name for p in _private_weight_cache.iterdir()] == ["torch_extensions"]
