@@ -65,13 +65,15 @@ def prompts() -> list[dict]:
         3, 40000, (5 + 9 * i,), generator=g).tolist()} for i in range(8)]
 
 
-def greedy_runs(llm) -> tuple[list, list]:
-    """(alone, batched): each prompt on its own, then all 8 in one batch."""
+def greedy_runs(llm, alone_prompts=range(8)) -> tuple[list, list]:
+    """(alone, batched): each prompt of ``alone_prompts`` (indices) on its own, then all 8
+    in one batch."""
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
 
     def tokens(outs):
         return [o.outputs[0].token_ids for o in outs]
-    alone = [tokens(llm.generate(p, params, use_tqdm=False))[0] for p in prompts()]
+    alone = [tokens(llm.generate(prompts()[i], params, use_tqdm=False))[0]
+             for i in alone_prompts]
     return alone, tokens(llm.generate(prompts(), params, use_tqdm=False))
 
 
@@ -113,15 +115,15 @@ def prompt_logprobs(llm) -> list[tuple[int, float]]:
     return [(t, lp.logprob) for d in out.prompt_logprobs[1:] for t, lp in d.items()]
 
 
-def check_against_size_one(model, tp, **overrides):
+def check_against_size_one(model, tp, alone_prompts=range(8), **overrides):
     overrides = dict(max_num_batched_tokens=64, **overrides)  # prompts prefill in chunks
     whole = make_llm(model, 1, **overrides)
-    expected = greedy_runs(whole)
+    expected = greedy_runs(whole, alone_prompts)
     expected_prompt_logprobs = prompt_logprobs(whole)
     expected_logits = step_logits(whole.runner, [37, 5, 20])
     with make_llm(model, tp, **overrides) as split:
         assert split.runner.model.shard.num_heads * tp == split.runner.arch.num_attention_heads
-        assert greedy_runs(split) == expected
+        assert greedy_runs(split, alone_prompts) == expected
         got = prompt_logprobs(split)
         assert len(got) >= 99 * 2 and [t for t, _ in got] == [t for t, _ in
                                                             expected_prompt_logprobs]
@@ -148,7 +150,10 @@ def test_tp2_tiny_qwen2_with_qkv_bias_and_untied_head_matches_size_one(
 
 @pytest.mark.slow
 def test_tp3_default_model_matches_size_one():
-    check_against_size_one("default", 3)
+    # Three ranks on two cores wait for a time slice at each of a step's 60 all-reduces
+    # (about 0.25 s a step here), so only the shortest and the longest prompt also run
+    # alone; the batch still holds all eight, and the tp2 tests run each one alone.
+    check_against_size_one("default", 3, alone_prompts=(0, 7))
 
 
 def test_lora_with_tensor_parallelism_is_refused_at_start_up(tiny_llama_dir, default_model_path):
