@@ -7,6 +7,12 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Under pytest-xdist (`-n 2`, the README's test command) each worker, and every process
+# its tests start, runs torch on one thread: two workers with two OpenMP threads each on
+# two cores make every parallel region wait for a descheduled thread, which made the
+# model tests several times slower than in one process. Set before torch is imported.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Triton kernels run in Triton's interpreter (on CPU tensors) unless the machine has an
 # NVIDIA GPU. Set here, before any test module imports kernels/: @triton.jit reads it
 # when a kernel is defined. TRITON_INTERPRET=0 forces real kernels.
@@ -30,6 +36,28 @@ def _save_tiny(path, kind: str, seed: int):
         model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=False, **common))
     model.save_pretrained(path)
     return path
+
+
+# Tests of native CPU kernels that split their work over threads (at::parallel_for):
+# they run on at least two threads even under xdist, so the split stays tested.
+THREADED_KERNEL_TESTS = ("tests/kernels/test_cpu_", "tests/worker/test_fused_decode.py",
+                         "tests/worker/test_linear", "tests/worker/test_invariant_linear.py",
+                         "tests/worker/test_quantized_model.py")
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored(request):
+    """Each test starts with torch's thread count as the session began with it: an
+    in-process engine built with ``worker.num_threads: 1`` (the tensor-parallel tests)
+    sets it for the whole process, and every later test would run on one thread.
+    THREADED_KERNEL_TESTS get at least two."""
+    import torch
+    before = torch.get_num_threads()
+    if request.node.nodeid.startswith(THREADED_KERNEL_TESTS) and before < 2:
+        torch.set_num_threads(2)
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
@@ -132,8 +160,18 @@ SLOW_MODULE_MARKS = ("_e2e.py", "default_model.py", "test_serve_", "test_docker_
                      "test_client_libraries.py", "test_tensor_parallel")
 
 
+def _streams_the_default_model(item) -> bool:
+    """A test that runs the real default model for many steps: memory-bound on a CPU."""
+    return item.path.name.endswith("default_model.py") or "default_model" in item.name
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         name = item.path.name
         if any(mark in name for mark in SLOW_MODULE_MARKS):
             item.add_marker(pytest.mark.slow)
+    # The default model's tests (about seven minutes in all on two cores) run first.
+    # Under the README's `-n 2 --dist worksteal` one worker starts on them while the
+    # other takes the rest, mostly single-threaded Python and process start-ups, which
+    # share two cores with them well; run last, they would be the run's long tail.
+    items.sort(key=lambda item: not _streams_the_default_model(item))  # stable
