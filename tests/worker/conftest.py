@@ -28,7 +28,9 @@ def _kernel_build_root() -> Path:
     """Where the native CPU kernels build outside these tests (before any test points
     FOLIO_CACHE_DIR elsewhere): one build shared by every test and every process."""
     from kernels import cpu_extension
-    return cpu_extension.build_root()
+    root = cpu_extension.build_root()
+    root.mkdir(parents=True, exist_ok=True)
+    return root
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +43,6 @@ def _private_weight_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     about 40 s each on two cores, and no test here is about that build."""
     cache_dir = tmp_path / "folio-cache"
     cache_dir.mkdir()
-    _kernel_build_root.mkdir(parents=True, exist_ok=True)
     (cache_dir / "torch_extensions").symlink_to(_kernel_build_root, target_is_directory=True)
     monkeypatch.setenv("FOLIO_CACHE_DIR", str(cache_dir))
     return cache_dir

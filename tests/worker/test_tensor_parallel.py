@@ -72,9 +72,9 @@ def greedy_runs(llm, alone_prompts=range(8)) -> tuple[list, list]:
 
     def tokens(outs):
         return [o.outputs[0].token_ids for o in outs]
-    alone = [tokens(llm.generate(prompts()[i], params, use_tqdm=False))[0]
-             for i in alone_prompts]
-    return alone, tokens(llm.generate(prompts(), params, use_tqdm=False))
+    every = prompts()
+    alone = [tokens(llm.generate(every[i], params, use_tqdm=False))[0] for i in alone_prompts]
+    return alone, tokens(llm.generate(every, params, use_tqdm=False))
 
 
 def states(lengths, block_size=16) -> list[CachedRequestState]:
