@@ -115,6 +115,11 @@ inline void tile(const float* __restrict x, int64_t ldx, const W* __restrict w,
       y[i * ldy + j] = static_cast<O>(sums[i * NR + j] + (bias ? bias[j] : 0.f));
 }
 
+// Weight rows per tile of 4, 2 and 1 x rows: MR * NR = kLanes accumulators (16 on
+// AVX-512, 8 on AVX2, 4 otherwise), so one transpose-sum folds a tile.
+constexpr int kNR4 = kLanes / 4, kNR2 = kLanes / 2, kNR1 = kLanes;
+static_assert(kBlockN % kNR1 == 0, "a block is whole tiles");
+
 // Rows [0, M) of x against one block of kBlockN weight rows.
 template <typename W, typename O>
 void block(const float* x, int64_t M, int64_t K, const W* w, int64_t ldw,
@@ -124,34 +129,39 @@ void block(const float* x, int64_t M, int64_t K, const W* w, int64_t ldw,
   auto at = [&](int n) { return bias ? bias + n : nullptr; };
   int64_t m = 0;
   for (; m + 4 <= M; m += 4) {
-    for (int n = 0; n < kBlockN; n += 4) {
+    for (int n = 0; n < kBlockN; n += kNR4) {
       if (m == 0) {
-        tile<4, 4, true>(x, K, w + n * ldw, ldw, K, at(n), y + n, ldy);
+        tile<4, kNR4, true>(x, K, w + n * ldw, ldw, K, at(n), y + n, ldy);
       } else {
-        tile<4, 4, false>(x + m * K, K, w + n * ldw, ldw, K, at(n), y + m * ldy + n, ldy);
+        tile<4, kNR4, false>(x + m * K, K, w + n * ldw, ldw, K, at(n), y + m * ldy + n, ldy);
       }
     }
   }
   const float* xm = x + m * K;
   O* ym = y + m * ldy;
   const bool first = m == 0;
+  auto one_row = [&](const float* xr, O* yr, bool prefetch) {
+    for (int n = 0; n < kBlockN; n += kNR1) {
+      if (prefetch) tile<1, kNR1, true>(xr, K, w + n * ldw, ldw, K, at(n), yr + n, ldy);
+      else tile<1, kNR1, false>(xr, K, w + n * ldw, ldw, K, at(n), yr + n, ldy);
+    }
+  };
+  auto two_rows = [&](bool prefetch) {
+    for (int n = 0; n < kBlockN; n += kNR2) {
+      if (prefetch) tile<2, kNR2, true>(xm, K, w + n * ldw, ldw, K, at(n), ym + n, ldy);
+      else tile<2, kNR2, false>(xm, K, w + n * ldw, ldw, K, at(n), ym + n, ldy);
+    }
+  };
   switch (M - m) {
     case 1:
-      if (first) tile<1, 16, true>(xm, K, w, ldw, K, bias, ym, ldy);
-      else tile<1, 16, false>(xm, K, w, ldw, K, bias, ym, ldy);
+      one_row(xm, ym, first);
       break;
     case 2:
-      for (int n = 0; n < kBlockN; n += 8) {
-        if (first) tile<2, 8, true>(xm, K, w + n * ldw, ldw, K, at(n), ym + n, ldy);
-        else tile<2, 8, false>(xm, K, w + n * ldw, ldw, K, at(n), ym + n, ldy);
-      }
+      two_rows(first);
       break;
     case 3:  // a 2-row tile and a 1-row tile
-      for (int n = 0; n < kBlockN; n += 8) {
-        if (first) tile<2, 8, true>(xm, K, w + n * ldw, ldw, K, at(n), ym + n, ldy);
-        else tile<2, 8, false>(xm, K, w + n * ldw, ldw, K, at(n), ym + n, ldy);
-      }
-      tile<1, 16, false>(xm + 2 * K, K, w, ldw, K, bias, ym + 2 * ldy, ldy);
+      two_rows(first);
+      one_row(xm + 2 * K, ym + 2 * ldy, false);
       break;
     default:
       break;
