@@ -32,7 +32,7 @@ class ModelConfig:
     dtype: str = _f("auto", "weight and activation dtype: auto|float32|bfloat16|float16 "
                     "(auto: bfloat16 on GPUs and bf16-capable CPUs, else float32)")
     quantization: str = _f("none", "none|auto|int8|gguf (CPU): gguf keeps a GGUF's Q4_0/"
-                           "Q4_1/Q8_0 matrices quantized (native int8 kernels); int8 "
+                           "Q4_1/Q8_0/Q4_K/Q6_K matrices quantized (native kernels); int8 "
                            "quantizes linear weights per channel on load; none "
                            "dequantises to dtype (the default); auto: gguf for a quantized "
                            "GGUF, else none. Not with tensor parallelism, sleep level 2 "

@@ -8,7 +8,7 @@ Three translations happen per tensor:
    :func:`unpermute_rope_rows`). Qwen2 GGUFs keep HF's layout, so nothing is undone there.
 
 :func:`load_gguf_quantized` skips step 1 for matrices in a format the native kernels
-compute on (Q4_0, Q4_1, Q8_0): their blocks stay as stored (rows permuted as in step 3,
+compute on (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K): their blocks stay as stored (rows permuted as in step 3,
 which moves whole rows of blocks), for kernels/quant_linear.py to pack.
 """
 from __future__ import annotations
@@ -55,7 +55,9 @@ _BLOCK_PARTS = {
 }
 # Formats kept quantized by load_gguf_quantized (the native kernels' formats).
 KEPT_QUANTIZED_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
-                                  GGMLQuantizationType.Q8_0})
+                                  GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
+                                  GGMLQuantizationType.Q6_K})
+KEPT_QUANTIZED_NAMES = "/".join(sorted(t.name for t in KEPT_QUANTIZED_TYPES))
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors the architecture already accounts for: rope_freqs became rope_scaling.
 _FOLDED_INTO_ARCHITECTURE = frozenset({ROPE_FREQS_TENSOR})

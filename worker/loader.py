@@ -1,7 +1,7 @@
 """``load_model``: any supported model path → architecture + HF-layout state dict.
 
 A path is a GGUF file (dequantised, cached on disk, see worker/weight_cache.py; or with
-its Q4_0/Q4_1/Q8_0 matrices kept as blocks) or a Hugging Face checkpoint folder
+its Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matrices kept as blocks) or a Hugging Face checkpoint folder
 (config.json + safetensors). ``"default"`` is the bundled SmolLM2-135M-Instruct GGUF.
 """
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from model_files.gguf_file import GGUFFile
-from worker.gguf_loader import KEPT_QUANTIZED_TYPES, QuantizedBlocks, load_gguf, load_gguf_quantized
+from worker.gguf_loader import KEPT_QUANTIZED_NAMES, KEPT_QUANTIZED_TYPES, QuantizedBlocks
+from worker.gguf_loader import load_gguf, load_gguf_quantized
 from worker.hf_loader import load_hf_checkpoint
 from model_files.paths import ModelFileError, is_gguf_file, resolve_model_path
 from worker.models.architecture import ModelArchitecture
@@ -48,14 +49,14 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def resolve_quantization(quantization: str, source: Path, gguf: GGUFFile | None) -> str:
-    """``auto`` → ``gguf`` for a GGUF holding Q4_0/Q4_1/Q8_0 matrices, else ``none``;
+    """``auto`` → ``gguf`` for a GGUF holding matrices in KEPT_QUANTIZED_TYPES, else ``none``;
     ``gguf`` on anything but such a file is an error."""
     has_blocks = gguf is not None and any(
         t.ggml_type in KEPT_QUANTIZED_TYPES and len(t.shape) == 2 for t in gguf.tensors.values())
     if quantization == "auto":
         return "gguf" if has_blocks else "none"
     if quantization == "gguf" and not has_blocks:
-        raise ValueError(f"model.quantization=gguf needs a GGUF with Q4_0/Q4_1/Q8_0 "
+        raise ValueError(f"model.quantization=gguf needs a GGUF with {KEPT_QUANTIZED_NAMES} "
                          f"matrices; {source} has none")
     return quantization
 

@@ -1,6 +1,6 @@
 """``model.quantization``: how a loaded model's weights are held, and putting them in.
 
-* ``gguf``: a GGUF's Q4_0/Q4_1/Q8_0 matrices stay as their blocks (packed for the
+* ``gguf``: a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matrices stay as their blocks (packed for the
   native kernels, worker/models/quant_linear.py); everything else is dequantised.
 * ``int8``: floats are loaded, then every linear weight is quantized per output
   channel to int8.

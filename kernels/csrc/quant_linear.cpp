@@ -1,4 +1,4 @@
-// y = x @ W.T for GGUF block-quantized W (Q4_0, Q4_1, Q8_0) kept quantized in memory,
+// y = x @ W.T for GGUF block-quantized W (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) kept quantized,
 // in the packed layout of quant_pack.h, computed by one of the routes of quant_tiles.h:
 //
 //   route 1  int8 dot products, AVX512-VNNI          (built when -march=native has it)
@@ -46,17 +46,18 @@ std::vector<int64_t> built_routes() {
 // Everything a tile needs besides its group and first row.
 struct Operands {
   const uint8_t* qs;
-  const c10::Half* scales;
+  const uint8_t* scales;       // fp16 per block, or the K-quants' records (quant_pack.h)
   int64_t B;                   // blocks per row
   const QuantizedRows* xr;     // int8 routes
   const float* xf;             // widening route: float32 x [M][K]
-  const float* xsum;           // widening route: x summed per block [M][B]
+  const float* xsum;           // widening route: x summed per block [M][B] (Q6_K: per
+                               // half block, [M][B][2])
 };
 
 template <int64_t Fmt, int MR>
 void tile(int64_t route, const Operands& o, int64_t g, int64_t m0, float* acc, bool ahead) {
   const uint8_t* qs = o.qs + g * o.B * qs_bytes(Fmt);
-  const c10::Half* sc = o.scales + g * o.B * scale_count(Fmt);
+  const uint8_t* sc = o.scales + g * group_scale_bytes(Fmt, o.B);
   switch (route) {
 #ifdef FOLIO_QUANT_VNNI512
     case kVnni512:
@@ -138,21 +139,31 @@ void run_format(int64_t fmt, int64_t route, const Operands& o, int64_t M, int64_
                 const float* bias, O* y) {
   if (fmt == kQ4_0) return run<kQ4_0>(route, o, M, N, bias, y);
   if (fmt == kQ4_1) return run<kQ4_1>(route, o, M, N, bias, y);
+  if (fmt == kQ4_K) return run<kQ4_K>(route, o, M, N, bias, y);
+  if (fmt == kQ6_K) return run<kQ6_K>(route, o, M, N, bias, y);
   return run<kQ8_0>(route, o, M, N, bias, y);
 }
 
 void check_operands(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
                     int64_t fmt, int64_t n, int64_t route) {
-  TORCH_CHECK(fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ8_0,
-              "quant_linear: format must be Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
+  TORCH_CHECK(fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ8_0 || fmt == kQ4_K || fmt == kQ6_K,
+              "quant_linear: format must be Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12) or Q6_K (14)");
   TORCH_CHECK(x.dim() == 2 && x.is_floating_point(), "quant_linear: x must be [M, K] float");
   TORCH_CHECK(qs.dim() == 3 && qs.scalar_type() == at::kByte && qs.is_contiguous() &&
                   qs.size(2) == qs_bytes(fmt),
               "quant_linear: qs must be contiguous uint8 [groups, blocks, chunk bytes]");
-  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kHalf &&
-                  scales.is_contiguous() && scales.size(2) == scale_count(fmt) &&
-                  scales.size(0) == qs.size(0) && scales.size(1) == qs.size(1),
-              "quant_linear: scales must be contiguous fp16 [groups, blocks, 16 or 32]");
+  if (is_k(fmt)) {
+    TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kByte &&
+                    scales.is_contiguous() && scales.size(2) == k_scale_bytes(fmt) &&
+                    scales.size(0) == qs.size(0) && scales.size(1) * kSuperBlocks == qs.size(1),
+                "quant_linear: K-quant scales must be contiguous uint8 [groups, blocks / 8, ",
+                k_scale_bytes(fmt), "]");
+  } else {
+    TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kHalf &&
+                    scales.is_contiguous() && scales.size(2) == scale_count(fmt) &&
+                    scales.size(0) == qs.size(0) && scales.size(1) == qs.size(1),
+                "quant_linear: scales must be contiguous fp16 [groups, blocks, 16 or 32]");
+  }
   TORCH_CHECK(x.size(1) == qs.size(1) * kBlock, "quant_linear: x is [M, K], K = 32 * blocks");
   TORCH_CHECK(n > (qs.size(0) - 1) * kGroupRows && n <= qs.size(0) * kGroupRows,
               "quant_linear: n does not match the number of row groups");
@@ -180,16 +191,17 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
   }
   thread_local QuantizedRows xr;  // the caller's thread prepares x
   thread_local std::vector<float> xsum;
-  Operands o{qs.const_data_ptr<uint8_t>(), scales.const_data_ptr<c10::Half>(), qs.size(1),
-             &xr, nullptr, nullptr};
+  Operands o{qs.const_data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.const_data_ptr()),
+             qs.size(1), &xr, nullptr, nullptr};
   if (route == kWiden) {
     xf = x.to(at::kFloat).contiguous();
     o.xf = xf.const_data_ptr<float>();
-    const int64_t B = qs.size(1);
-    xsum.resize(static_cast<size_t>(M * B));
-    for (int64_t i = 0; i < M * B; ++i) {
+    const int parts = fmt == kQ6_K ? 2 : 1;  // sums per block, or per half block
+    const int64_t B = qs.size(1), span = kBlock / parts;
+    xsum.resize(static_cast<size_t>(M * B * parts));
+    for (int64_t i = 0; i < M * B * parts; ++i) {
       float s = 0.f;
-      for (int k = 0; k < kBlock; ++k) s += o.xf[i * kBlock + k];
+      for (int k = 0; k < span; ++k) s += o.xf[i * span + k];
       xsum[i] = s;
     }
     o.xsum = xsum.data();
@@ -202,19 +214,19 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
   return out;
 }
 
-// Row `row` of the weight as floats: d * (u - offset) (+ m), u as stored.
+// Row `row` of the weight as floats: D * (u - offset) + M, u as stored.
 template <int64_t Fmt, typename O>
-void dequantize_row(const uint8_t* qs, const c10::Half* sc, int64_t B, int64_t row, O* out) {
+void dequantize_row(const uint8_t* qs, const uint8_t* sc, int64_t B, int64_t row, O* out) {
   const int64_t g = row / kGroupRows;
   const int j = static_cast<int>(row % kGroupRows);
   for (int64_t b = 0; b < B; ++b) {
     const uint8_t* q = qs + (g * B + b) * qs_bytes(Fmt);
-    const c10::Half* s = sc + (g * B + b) * scale_count(Fmt);
-    const float d = static_cast<float>(s[j]);
-    const float m = Fmt == kQ4_1 ? static_cast<float>(s[16 + j]) : 0.f;
+    alignas(64) float D[2][16], M[2][16];
+    block_scales<Fmt>(sc + g * group_scale_bytes(Fmt, B), b, D, M);
     for (int k = 0; k < kBlock; ++k)
       out[b * kBlock + k] = static_cast<O>(
-          static_cast<float>(stored_at<Fmt>(q, j, k) - offset_of(Fmt)) * d + m);
+          static_cast<float>(stored_at<Fmt>(q, j, k) - offset_of(Fmt)) * D[k / 16][j] +
+          M[k / 16][j]);
   }
 }
 
@@ -235,12 +247,14 @@ at::Tensor quant_dequantize(const at::Tensor& qs, const at::Tensor& scales, int6
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "quant_dequantize", [&] {
     scalar_t* o = out.data_ptr<scalar_t>();
     const uint8_t* q = qs.const_data_ptr<uint8_t>();
-    const c10::Half* sc = scales.const_data_ptr<c10::Half>();
+    const uint8_t* sc = static_cast<const uint8_t*>(scales.const_data_ptr());
     at::parallel_for(0, rows.numel(), 64, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         scalar_t* row_out = o + i * B * kBlock;
         if (fmt == kQ4_0) dequantize_row<kQ4_0>(q, sc, B, r[i], row_out);
         else if (fmt == kQ4_1) dequantize_row<kQ4_1>(q, sc, B, r[i], row_out);
+        else if (fmt == kQ4_K) dequantize_row<kQ4_K>(q, sc, B, r[i], row_out);
+        else if (fmt == kQ6_K) dequantize_row<kQ6_K>(q, sc, B, r[i], row_out);
         else dequantize_row<kQ8_0>(q, sc, B, r[i], row_out);
       }
     });

@@ -1,5 +1,6 @@
-// GGUF block-quantized weights (Q4_0, Q4_1, Q8_0) in Folio's packed layout, and the
-// per-block int8 quantization of activations the integer kernels multiply them with.
+// GGUF block-quantized weights (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) in Folio's packed layout,
+// and the per-block int8 quantization of activations the integer kernels multiply them
+// with.
 //
 // A GGUF stores a weight row by row in blocks of 32 values along K; a Q4_1 block is
 //
@@ -27,6 +28,26 @@
 // word c. The bytes are exactly as many as the GGUF's (16 blocks of 20 bytes = 256 +
 // 64 for Q4_1); kernels/quant_linear.py packs them and holds the torch reference.
 //
+// The K-quants hold 256 values (a superblock, 8 blocks) under one fp16 d per row:
+//
+//   Q4_K  w = d * sc * q - dmin * m, q 4-bit, sc and m 6-bit per block of 32
+//   Q6_K  w = d * sc * (q - 32),     q 6-bit, sc int8 per half block of 16
+//
+// Their qs are laid out as above (Q4_K like Q4_1; Q6_K's low four bits like Q4_1, then
+// two 64-byte planes of the top two bits: plane h, byte 4j + t, bits 2f..2f+1 hold k =
+// 16h + 4f + t of row j, so plane h serves chunks 2h and 2h+1). Their scales stay
+// integers, as stored, per group and superblock (uint8 [G][B/8][bytes]):
+//
+//   Q4_K  d fp16[16] | dmin fp16[16] | sc u8[8 blocks][16] | m u8[8 blocks][16]   320
+//   Q6_K  d fp16[16] | sc i8[8 blocks][2 halves][16]                              288
+//
+// and a block's multipliers are formed in float32, where d * sc is exact, so the
+// kernels see exactly the values gguf's dequantisation gives (w = D * (u - off) + M).
+// With the half sums xs0, xs1 of a block's activations:
+//
+//   Q4_K:  sum_k w x = D * xd * p + M * (xd * xs)          (D = d sc, M = -dmin m)
+//   Q6_K:  sum_k w x = D0 * xd * (p0 - 32 xs0) + D1 * xd * (p1 - 32 xs1)
+//
 // Activations: per row and block of 32, xd = max|x| / 127, xq = round-half-even(x / xd)
 // (as x * (1 / xd)), xs = sum(xq). With integer dot p = sum(u * xq) of the stored
 // unsigned weights u (q, or q + 128 for Q8_0):
@@ -46,12 +67,23 @@ namespace folio::quant {
 
 constexpr int kGroupRows = 16;
 constexpr int kBlock = 32;
-constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // ggml type ids
+constexpr int kSuperBlocks = 8;  // blocks of 32 per K-quant superblock
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14;  // ggml type ids
 
-constexpr bool is_q4(int64_t fmt) { return fmt == kQ4_0 || fmt == kQ4_1; }
-constexpr int qs_bytes(int64_t fmt) { return is_q4(fmt) ? 256 : 512; }      // per block
-constexpr int scale_count(int64_t fmt) { return fmt == kQ4_1 ? 32 : 16; }   // per block
-constexpr int32_t offset_of(int64_t fmt) { return fmt == kQ4_0 ? 8 : fmt == kQ8_0 ? 128 : 0; }
+constexpr bool is_k(int64_t fmt) { return fmt == kQ4_K || fmt == kQ6_K; }
+constexpr bool is_q4(int64_t fmt) { return fmt != kQ8_0; }  // low four bits as nibbles
+constexpr bool has_min(int64_t fmt) { return fmt == kQ4_1 || fmt == kQ4_K; }
+constexpr bool split_halves(int64_t fmt) { return fmt == kQ6_K; }  // a scale per 16 k
+constexpr int qs_bytes(int64_t fmt) { return fmt == kQ8_0 ? 512 : fmt == kQ6_K ? 384 : 256; }
+constexpr int scale_count(int64_t fmt) { return fmt == kQ4_1 ? 32 : 16; }   // fp16 per block
+constexpr int k_scale_bytes(int64_t fmt) { return fmt == kQ4_K ? 320 : 288; }  // per superblock
+constexpr int32_t offset_of(int64_t fmt) {
+  return fmt == kQ4_0 ? 8 : fmt == kQ8_0 ? 128 : fmt == kQ6_K ? 32 : 0;
+}
+// Scale bytes of one group of 16 rows, B blocks per row.
+constexpr int64_t group_scale_bytes(int64_t fmt, int64_t B) {
+  return is_k(fmt) ? B / kSuperBlocks * k_scale_bytes(fmt) : B * scale_count(fmt) * 2;
+}
 
 // Activations quantized per block of 32, row-major like x.
 struct QuantizedRows {
@@ -60,10 +92,11 @@ struct QuantizedRows {
   std::vector<float> scale;   // [rows][blocks]   xd
   std::vector<int32_t> sum;   // [rows][blocks]   xs
   std::vector<float> msum;    // [rows][blocks]   xd * xs (Q4_1's min term)
+  std::vector<int32_t> sum16; // [rows][blocks][2] xs of each half block (Q6_K)
 };
 
 template <typename T>
-void quantize_block(const T* x, int8_t* q, float& scale, int32_t& sum) {
+void quantize_block(const T* x, int8_t* q, float& scale, int32_t& sum, int32_t* halves) {
   float amax = 0.f;
   float v[kBlock];
   for (int i = 0; i < kBlock; ++i) {
@@ -72,14 +105,16 @@ void quantize_block(const T* x, int8_t* q, float& scale, int32_t& sum) {
   }
   const float d = amax / 127.f;
   const float id = d != 0.f ? 1.f / d : 0.f;
-  int32_t s = 0;
+  int32_t s[2] = {0, 0};
   for (int i = 0; i < kBlock; ++i) {
     const int32_t r = static_cast<int32_t>(std::nearbyint(v[i] * id));  // ties to even
     q[i] = static_cast<int8_t>(r);
-    s += r;
+    s[i / 16] += r;
   }
   scale = d;
-  sum = s;
+  sum = s[0] + s[1];
+  halves[0] = s[0];
+  halves[1] = s[1];
 }
 
 // x [M, K] (rows `ldx` apart, K a multiple of 32) into `out`, rows split over threads.
@@ -92,12 +127,13 @@ void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, QuantizedRows&
   out.scale.resize(static_cast<size_t>(M * B));
   out.sum.resize(static_cast<size_t>(M * B));
   out.msum.resize(static_cast<size_t>(M * B));
+  out.sum16.resize(static_cast<size_t>(M * B * 2));
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
       for (int64_t b = 0; b < B; ++b) {
         const int64_t i = m * B + b;
         quantize_block(x + m * ldx + b * kBlock, out.q.data() + m * K + b * kBlock,
-                       out.scale[i], out.sum[i]);
+                       out.scale[i], out.sum[i], out.sum16.data() + 2 * i);
         out.msum[i] = out.scale[i] * static_cast<float>(out.sum[i]);
       }
   });

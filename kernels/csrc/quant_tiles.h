@@ -10,8 +10,10 @@
 //     tile_widen    GCC vector extensions, 16 float lanes (zmm, 2 ymm or 4 xmm)
 //
 // Per block the integer routes add  d * xd * (p - off * xs) [+ m * xd * xs]  to each
-// output (the identities in quant_pack.h); the order of float additions is the same
-// whatever MR is, so a row's result does not depend on the rows beside it.
+// output (the identities in quant_pack.h; Q6_K per half block); the order of float
+// additions is the same whatever MR is, so a row's result does not depend on the rows
+// beside it. `sc` is the group's scale bytes (fp16 per block, or the K-quants'
+// superblock records, quant_pack.h).
 #pragma once
 
 #include <c10/util/Half.h>
@@ -46,14 +48,50 @@ inline int32_t word_at(const int8_t* p) {  // 4 int8 as one 32-bit word (to broa
   return w;
 }
 
+// Block b's multipliers for the 16 rows, w = D * (u - offset) + M, per half block of 16
+// k (the halves differ only for Q6_K; M is zero but for Q4_1 and Q4_K). Products of an
+// fp16 d and a 6- or 8-bit integer are exact in float32.
+template <int64_t Fmt>
+inline void block_scales(const uint8_t* sc, int64_t b, float (&D)[2][16], float (&M)[2][16]) {
+  if constexpr (!is_k(Fmt)) {
+    const c10::Half* s = reinterpret_cast<const c10::Half*>(sc) + b * scale_count(Fmt);
+    halves_to_float(s, D[0]);
+    if constexpr (Fmt == kQ4_1) halves_to_float(s + 16, M[0]);
+    else for (int j = 0; j < kGroupRows; ++j) M[0][j] = 0.f;
+    std::memcpy(D[1], D[0], sizeof D[0]);
+    std::memcpy(M[1], M[0], sizeof M[0]);
+  } else {
+    const uint8_t* rec = sc + (b / kSuperBlocks) * k_scale_bytes(Fmt);
+    const int i = static_cast<int>(b % kSuperBlocks);
+    alignas(64) float d[16];
+    halves_to_float(reinterpret_cast<const c10::Half*>(rec), d);
+    if constexpr (Fmt == kQ4_K) {
+      alignas(64) float dmin[16];
+      halves_to_float(reinterpret_cast<const c10::Half*>(rec + 32), dmin);
+      const uint8_t* s = rec + 64 + 16 * i;
+      const uint8_t* m = rec + 192 + 16 * i;
+      for (int j = 0; j < kGroupRows; ++j) {
+        D[0][j] = D[1][j] = d[j] * static_cast<float>(s[j]);
+        M[0][j] = M[1][j] = -(dmin[j] * static_cast<float>(m[j]));
+      }
+    } else {
+      const int8_t* s = reinterpret_cast<const int8_t*>(rec + 32 + 32 * i);
+      for (int h = 0; h < 2; ++h)
+        for (int j = 0; j < kGroupRows; ++j) {
+          D[h][j] = d[j] * static_cast<float>(s[16 * h + j]);
+          M[h][j] = 0.f;
+        }
+    }
+  }
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define FOLIO_QUANT_VNNI512 1
 
 template <int64_t Fmt, int MR>
-inline void tile_vnni512(const uint8_t* qs, const c10::Half* sc, int64_t B,
+inline void tile_vnni512(const uint8_t* qs, const uint8_t* sc, int64_t B,
                          const QuantizedRows& xr, int64_t m0, float* out,
                          const uint8_t* ahead = nullptr) {
-  constexpr int S = scale_count(Fmt);
   const int64_t K = B * kBlock;
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
@@ -67,19 +105,56 @@ inline void tile_vnni512(const uint8_t* qs, const c10::Half* sc, int64_t B,
         w[2 * c] = _mm512_and_si512(v, low4);
         w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
       }
+      if constexpr (Fmt == kQ6_K) {  // top bits: field f of plane h to bits 4-5 of w[4h + f]
+        const __m512i top = _mm512_set1_epi8(0x30);
+        for (int h = 0; h < 2; ++h) {
+          const __m512i v = _mm512_loadu_si512(q + 256 + 64 * h);
+          w[4 * h] = _mm512_or_si512(w[4 * h], _mm512_and_si512(_mm512_slli_epi16(v, 4), top));
+          w[4 * h + 1] = _mm512_or_si512(w[4 * h + 1], _mm512_and_si512(_mm512_slli_epi16(v, 2), top));
+          w[4 * h + 2] = _mm512_or_si512(w[4 * h + 2], _mm512_and_si512(v, top));
+          w[4 * h + 3] = _mm512_or_si512(w[4 * h + 3], _mm512_and_si512(_mm512_srli_epi16(v, 2), top));
+        }
+      }
     } else {
       for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(q + 64 * c);
     }
     if (ahead != nullptr)  // the next group's block: re-reading this one stops the prefetcher
       for (int c = 0; c < qs_bytes(Fmt) / 64; ++c) __builtin_prefetch(ahead + b * qs_bytes(Fmt) + 64 * c);
-    const c10::Half* s = sc + b * S;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-    __m512 mins = _mm512_setzero_ps();
-    if constexpr (Fmt == kQ4_1)
-      mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)));
+    __m512 d, mins = _mm512_setzero_ps(), d1 = _mm512_setzero_ps();
+    if constexpr (is_k(Fmt)) {
+      alignas(64) float D[2][16], M[2][16];
+      block_scales<Fmt>(sc, b, D, M);
+      d = _mm512_load_ps(D[0]);
+      if constexpr (Fmt == kQ4_K) mins = _mm512_load_ps(M[0]);
+      if constexpr (split_halves(Fmt)) d1 = _mm512_load_ps(D[1]);
+    } else {
+      const c10::Half* s = reinterpret_cast<const c10::Half*>(sc) + b * scale_count(Fmt);
+      d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+      if constexpr (Fmt == kQ4_1)
+        mins = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 16)));
+    }
     for (int r = 0; r < MR; ++r) {
       const int64_t row = m0 + r, i = row * B + b;
       const int8_t* x = xr.q.data() + row * K + b * kBlock;
+      const __m512 xd = _mm512_set1_ps(xr.scale[i]);
+      if constexpr (split_halves(Fmt)) {
+        // four chains: words 0-3 (k 0-15) and 4-7 (k 16-31), each half under its scale
+        __m512i p[4];
+        for (int c = 0; c < 4; ++c)
+          p[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[(c / 2) * 4 + c % 2],
+                                     _mm512_set1_epi32(word_at(x + 4 * ((c / 2) * 4 + c % 2))));
+        for (int c = 0; c < 4; ++c) {
+          const int k = (c / 2) * 4 + c % 2 + 2;
+          p[c] = _mm512_dpbusd_epi32(p[c], w[k], _mm512_set1_epi32(word_at(x + 4 * k)));
+        }
+        const __m512i p0 = _mm512_sub_epi32(_mm512_add_epi32(p[0], p[1]),
+                                            _mm512_set1_epi32(offset_of(Fmt) * xr.sum16[2 * i]));
+        const __m512i p1 = _mm512_sub_epi32(_mm512_add_epi32(p[2], p[3]),
+                                            _mm512_set1_epi32(offset_of(Fmt) * xr.sum16[2 * i + 1]));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p0), _mm512_mul_ps(d, xd), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p1), _mm512_mul_ps(d1, xd), acc[r]);
+        continue;
+      }
       // two chains of four dot products each: half the latency of one chain
       __m512i p0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[0], _mm512_set1_epi32(word_at(x)));
       __m512i p1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[1], _mm512_set1_epi32(word_at(x + 4)));
@@ -90,9 +165,9 @@ inline void tile_vnni512(const uint8_t* qs, const c10::Half* sc, int64_t B,
       __m512i p = _mm512_add_epi32(p0, p1);
       if constexpr (offset_of(Fmt) != 0)
         p = _mm512_sub_epi32(p, _mm512_set1_epi32(offset_of(Fmt) * xr.sum[i]));
-      const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xr.scale[i]));
+      const __m512 scale = _mm512_mul_ps(d, xd);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, acc[r]);
-      if constexpr (Fmt == kQ4_1)
+      if constexpr (has_min(Fmt))
         acc[r] = _mm512_fmadd_ps(mins, _mm512_set1_ps(xr.msum[i]), acc[r]);
     }
   }
@@ -112,9 +187,8 @@ inline __m256i dot4_avx2(__m256i acc, __m256i u, __m256i s) {
 
 // Rows 8h .. 8h+7 of the group (bytes 32h .. 32h+31 of every chunk).
 template <int64_t Fmt, int MR>
-inline void tile_avx2_half(const uint8_t* qs, const c10::Half* sc, int64_t B,
+inline void tile_avx2_half(const uint8_t* qs, const uint8_t* sc, int64_t B,
                            const QuantizedRows& xr, int64_t m0, int h, float* out) {
-  constexpr int S = scale_count(Fmt);
   const int64_t K = B * kBlock;
   __m256 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
@@ -128,33 +202,59 @@ inline void tile_avx2_half(const uint8_t* qs, const c10::Half* sc, int64_t B,
         w[2 * c] = _mm256_and_si256(v, low4);
         w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
       }
+      if constexpr (Fmt == kQ6_K) {  // as in tile_vnni512
+        const __m256i top = _mm256_set1_epi8(0x30);
+        for (int p = 0; p < 2; ++p) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 256 + 64 * p));
+          w[4 * p] = _mm256_or_si256(w[4 * p], _mm256_and_si256(_mm256_slli_epi16(v, 4), top));
+          w[4 * p + 1] = _mm256_or_si256(w[4 * p + 1], _mm256_and_si256(_mm256_slli_epi16(v, 2), top));
+          w[4 * p + 2] = _mm256_or_si256(w[4 * p + 2], _mm256_and_si256(v, top));
+          w[4 * p + 3] = _mm256_or_si256(w[4 * p + 3], _mm256_and_si256(_mm256_srli_epi16(v, 2), top));
+        }
+      }
     } else {  // back to signed q: products up to 255 * 127 would saturate int16 pairs
       for (int c = 0; c < 8; ++c)
         w[c] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 64 * c)),
                                 _mm256_set1_epi8(static_cast<char>(0x80)));
     }
-    const c10::Half* s = sc + b * S + 8 * h;
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
-    __m256 mins = _mm256_setzero_ps();
-    if constexpr (Fmt == kQ4_1)
-      mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16)));
+    __m256 d, mins = _mm256_setzero_ps(), d1 = _mm256_setzero_ps();
+    if constexpr (is_k(Fmt)) {
+      alignas(64) float D[2][16], M[2][16];
+      block_scales<Fmt>(sc, b, D, M);
+      d = _mm256_load_ps(D[0] + 8 * h);
+      if constexpr (Fmt == kQ4_K) mins = _mm256_load_ps(M[0] + 8 * h);
+      if constexpr (split_halves(Fmt)) d1 = _mm256_load_ps(D[1] + 8 * h);
+    } else {
+      const c10::Half* s = reinterpret_cast<const c10::Half*>(sc) + b * scale_count(Fmt) + 8 * h;
+      d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+      if constexpr (Fmt == kQ4_1)
+        mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16)));
+    }
     for (int r = 0; r < MR; ++r) {
       const int64_t row = m0 + r, i = row * B + b;
       const int8_t* x = xr.q.data() + row * K + b * kBlock;
-      __m256i p = _mm256_setzero_si256();
+      const __m256 xd = _mm256_set1_ps(xr.scale[i]);
+      __m256i p[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};  // k 0-15, 16-31
       for (int k = 0; k < 8; ++k) {
         const __m256i xb = _mm256_set1_epi32(word_at(x + 4 * k));
-        if constexpr (is_q4(Fmt)) {
-          p = dot4_avx2(p, w[k], xb);
+        if constexpr (is_q4(Fmt)) {  // u <= 63: pair sums within int16
+          p[k / 4] = dot4_avx2(p[k / 4], w[k], xb);
         } else {  // sign trick: |q| * (x with q's sign) = q * x, pairs within int16
-          p = dot4_avx2(p, _mm256_abs_epi8(w[k]), _mm256_sign_epi8(xb, w[k]));
+          p[k / 4] = dot4_avx2(p[k / 4], _mm256_abs_epi8(w[k]), _mm256_sign_epi8(xb, w[k]));
         }
       }
+      if constexpr (split_halves(Fmt)) {
+        const __m256i p0 = _mm256_sub_epi32(p[0], _mm256_set1_epi32(offset_of(Fmt) * xr.sum16[2 * i]));
+        const __m256i p1 = _mm256_sub_epi32(p[1], _mm256_set1_epi32(offset_of(Fmt) * xr.sum16[2 * i + 1]));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_mul_ps(d, xd), acc[r]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_mul_ps(d1, xd), acc[r]);
+        continue;
+      }
+      __m256i pb = _mm256_add_epi32(p[0], p[1]);
       if constexpr (Fmt == kQ4_0)
-        p = _mm256_sub_epi32(p, _mm256_set1_epi32(offset_of(Fmt) * xr.sum[i]));
-      const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xr.scale[i]));
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), scale, acc[r]);
-      if constexpr (Fmt == kQ4_1)
+        pb = _mm256_sub_epi32(pb, _mm256_set1_epi32(offset_of(Fmt) * xr.sum[i]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pb), _mm256_mul_ps(d, xd), acc[r]);
+      if constexpr (has_min(Fmt))
         acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(xr.msum[i]), acc[r]);
     }
   }
@@ -162,7 +262,7 @@ inline void tile_avx2_half(const uint8_t* qs, const c10::Half* sc, int64_t B,
 }
 
 template <int64_t Fmt, int MR>
-inline void tile_avx2(const uint8_t* qs, const c10::Half* sc, int64_t B,
+inline void tile_avx2(const uint8_t* qs, const uint8_t* sc, int64_t B,
                       const QuantizedRows& xr, int64_t m0, float* out) {
   tile_avx2_half<Fmt, MR>(qs, sc, B, xr, m0, 0, out);
   tile_avx2_half<Fmt, MR>(qs, sc, B, xr, m0, 1, out);
@@ -174,31 +274,39 @@ template <int64_t Fmt>
 inline int32_t stored_at(const uint8_t* q, int j, int k) {
   if constexpr (is_q4(Fmt)) {
     const uint8_t byte = q[64 * (k / 8) + 4 * j + k % 4];
-    return (k % 8) < 4 ? byte & 15 : byte >> 4;
+    int32_t u = (k % 8) < 4 ? byte & 15 : byte >> 4;
+    if constexpr (Fmt == kQ6_K)  // k = 16h + 4f + t: bits 2f of plane h, byte 4j + t
+      u |= ((q[256 + 64 * (k / 16) + 4 * j + k % 4] >> (2 * ((k % 16) / 4))) & 3) << 4;
+    return u;
   } else {
     return q[64 * (k / 4) + 4 * j + k % 4];
   }
 }
 
 template <int64_t Fmt, int MR>
-inline void tile_scalar(const uint8_t* qs, const c10::Half* sc, int64_t B,
+inline void tile_scalar(const uint8_t* qs, const uint8_t* sc, int64_t B,
                         const QuantizedRows& xr, int64_t m0, float* out) {
-  constexpr int S = scale_count(Fmt);
   const int64_t K = B * kBlock;
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < kGroupRows; ++j) {
       float acc = 0.f;
       for (int64_t b = 0; b < B; ++b) {
+        alignas(64) float D[2][16], M[2][16];
+        block_scales<Fmt>(sc, b, D, M);
         const int64_t row = m0 + r, i = row * B + b;
         const uint8_t* q = qs + b * qs_bytes(Fmt);
         const int8_t* x = xr.q.data() + row * K + b * kBlock;
-        int32_t p = 0;
-        for (int k = 0; k < kBlock; ++k) p += stored_at<Fmt>(q, j, k) * x[k];
-        p -= offset_of(Fmt) * xr.sum[i];
-        const float d = static_cast<float>(sc[b * S + j]);
-        acc = std::fma(static_cast<float>(p), d * xr.scale[i], acc);
-        if constexpr (Fmt == kQ4_1)
-          acc = std::fma(static_cast<float>(sc[b * S + 16 + j]), xr.msum[i], acc);
+        int32_t p[2] = {0, 0};
+        for (int k = 0; k < kBlock; ++k) p[k / 16] += stored_at<Fmt>(q, j, k) * x[k];
+        if constexpr (split_halves(Fmt)) {
+          for (int h = 0; h < 2; ++h)
+            acc = std::fma(static_cast<float>(p[h] - offset_of(Fmt) * xr.sum16[2 * i + h]),
+                           D[h][j] * xr.scale[i], acc);
+          continue;
+        }
+        const int32_t pb = p[0] + p[1] - offset_of(Fmt) * xr.sum[i];
+        acc = std::fma(static_cast<float>(pb), D[0][j] * xr.scale[i], acc);
+        if constexpr (has_min(Fmt)) acc = std::fma(M[0][j], xr.msum[i], acc);
       }
       out[r * kGroupRows + j] = acc;
     }
@@ -220,41 +328,46 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 // (about 8 chains in all: two FMA ports, four cycles each).
 // x is float32 [rows][ldx].
 template <int64_t Fmt, int MR>
-inline void tile_widen(const uint8_t* qs, const c10::Half* sc, int64_t B, const float* x,
+inline void tile_widen(const uint8_t* qs, const uint8_t* sc, int64_t B, const float* x,
                        int64_t ldx, const float* xsum, int64_t m0, float* out) {
-  constexpr int S = scale_count(Fmt);
   constexpr int P = MR >= 8 ? 1 : MR >= 4 ? 2 : 4;  // MR * P chains (MR = 1: 8 measured no faster)
   constexpr int per_chunk = is_q4(Fmt) ? 8 : 4;
+  constexpr int chunks = kBlock / per_chunk;
+  constexpr int H = split_halves(Fmt) ? 2 : 1;  // parts of a block under one scale
   v16f acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = v16f{};
   for (int64_t b = 0; b < B; ++b) {
-    alignas(64) float df[16], mf[16];
-    halves_to_float(sc + b * S, df);
-    if constexpr (Fmt == kQ4_1) halves_to_float(sc + b * S + 16, mf);
-    v16f d, mn;
-    std::memcpy(&d, df, sizeof d);
-    if constexpr (Fmt == kQ4_1) std::memcpy(&mn, mf, sizeof mn);
-    else mn = d * -static_cast<float>(offset_of(Fmt));
+    alignas(64) float D[2][16], M[2][16];
+    block_scales<Fmt>(sc, b, D, M);
     const uint8_t* q = qs + b * qs_bytes(Fmt);
     const float* xb = x + m0 * ldx + b * kBlock;
-    v16f part[MR][P];
-    for (int r = 0; r < MR; ++r)
-      for (int i = 0; i < P; ++i) part[r][i] = v16f{};
-    for (int c = 0; c < kBlock / per_chunk; ++c) {
-      v16u v;
-      std::memcpy(&v, q + 64 * c, sizeof v);
+    for (int h = 0; h < H; ++h) {
+      v16f d, mn;
+      std::memcpy(&d, D[h], sizeof d);
+      std::memcpy(&mn, M[h], sizeof mn);
+      mn -= d * static_cast<float>(offset_of(Fmt));  // w = d * u + mn
+      v16f part[MR][P];
+      for (int r = 0; r < MR; ++r)
+        for (int i = 0; i < P; ++i) part[r][i] = v16f{};
+      for (int c = h * chunks / H; c < (h + 1) * chunks / H; ++c) {
+        v16u v, top{};
+        std::memcpy(&v, q + 64 * c, sizeof v);
+        if constexpr (Fmt == kQ6_K) std::memcpy(&top, q + 256 + 64 * (c / 2), sizeof top);
 #pragma GCC unroll 8
-      for (int t = 0; t < per_chunk; ++t) {
-        const int shift = is_q4(Fmt) ? 8 * (t % 4) + 4 * (t / 4) : 8 * t;
-        const v16u u = (v >> shift) & (is_q4(Fmt) ? 15u : 255u);
-        const v16f wk = __builtin_convertvector(__builtin_convertvector(u, v16i), v16f);
-        for (int r = 0; r < MR; ++r) part[r][t % P] += wk * xb[r * ldx + per_chunk * c + t];
+        for (int t = 0; t < per_chunk; ++t) {
+          const int shift = is_q4(Fmt) ? 8 * (t % 4) + 4 * (t / 4) : 8 * t;
+          v16u u = (v >> shift) & (is_q4(Fmt) ? 15u : 255u);
+          if constexpr (Fmt == kQ6_K)  // k = 8c + t = 16(c/2) + 4f + t%4: f = 2(c%2) + t/4
+            u |= ((top >> (8 * (t % 4) + 2 * (2 * (c % 2) + t / 4))) & 3u) << 4;
+          const v16f wk = __builtin_convertvector(__builtin_convertvector(u, v16i), v16f);
+          for (int r = 0; r < MR; ++r) part[r][t % P] += wk * xb[r * ldx + per_chunk * c + t];
+        }
       }
-    }
-    for (int r = 0; r < MR; ++r) {
-      v16f sum = part[r][0];
-      for (int i = 1; i < P; ++i) sum += part[r][i];
-      acc[r] += sum * d + mn * xsum[(m0 + r) * B + b];
+      for (int r = 0; r < MR; ++r) {
+        v16f sum = part[r][0];
+        for (int i = 1; i < P; ++i) sum += part[r][i];
+        acc[r] += sum * d + mn * xsum[((m0 + r) * B + b) * H + h];
+      }
     }
   }
   for (int r = 0; r < MR; ++r) std::memcpy(out + r * kGroupRows, &acc[r], sizeof acc[r]);

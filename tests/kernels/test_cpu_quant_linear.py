@@ -31,7 +31,7 @@ if os.environ.get(cpu_extension.DISABLE_ENV, "").strip().lower() not in ("", "0"
     pytest.skip(f"{cpu_extension.DISABLE_ENV} is set", allow_module_level=True)
 
 EPS32 = torch.finfo(torch.float32).eps
-GGML = {ql.Q4_0: T.Q4_0, ql.Q4_1: T.Q4_1, ql.Q8_0: T.Q8_0}
+GGML = {ql.Q4_0: T.Q4_0, ql.Q4_1: T.Q4_1, ql.Q8_0: T.Q8_0, ql.Q4_K: T.Q4_K, ql.Q6_K: T.Q6_K}
 # SmolLM2's layers: fused q/k/v, o, fused gate/up, down (Q4_1 in the GGUF), LM head (Q8_0)
 MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
 
@@ -43,8 +43,18 @@ def ops():
 
 
 def random_blocks(n: int, k: int, fmt: int, seed: int) -> torch.Tensor:
-    """GGUF bytes [n, k/32 * block] of random quants and plausible fp16 scales."""
+    """GGUF bytes [n, k/32 * block] of random quants and plausible fp16 scales (K-quants:
+    random 6- and 8-bit scales under a plausible d, and dmin, per 256 values)."""
     g = torch.Generator().manual_seed(seed)
+    if fmt in ql.K_QUANTS:
+        blocks = torch.randint(0, 256, (n, k // 256, ql._GGUF_BLOCK_BYTES[fmt]), generator=g,
+                               dtype=torch.uint8)
+        d = (torch.rand(n, k // 256, 2, generator=g) * 1e-3 + 1e-4).half().view(torch.uint8)
+        if fmt == ql.Q4_K:
+            blocks[..., :4] = d.reshape(n, k // 256, 4)
+        else:
+            blocks[..., 208:] = d[..., :2]
+        return blocks.reshape(n, -1)
     blocks = torch.randint(0, 256, (n, k // 32, ql._GGUF_BLOCK_BYTES[fmt]), generator=g,
                            dtype=torch.uint8)
     scales = (torch.rand(n, k // 32, 2, generator=g) * 0.02 + 1e-3).half()
@@ -68,12 +78,24 @@ def test_packing_keeps_gguf_values_bit_for_bit(fmt, n):
     assert torch.equal(ql.dequantize(packed, rows), expected[rows])
 
 
+def k_quant_magnitudes(packed):
+    """Per weight of a K-quant, |D u| + |D| offset + |M|: every term a route sums."""
+    rows = torch.arange(packed.n)
+    u = ql._stored_values(packed, rows // 16, rows % 16).float().view(packed.n, -1, 2, 16)
+    D, M = ql._block_scales(packed, rows // 16, rows % 16)
+    D, M = D.abs()[..., None], M.abs()[..., None]
+    return (u * D + ql._OFFSET[packed.fmt] * D + M).reshape(packed.n, packed.k)
+
+
 def float32_error(x, packed, w_abs):
     """(B + 4) eps32 times the sum of the magnitudes of the terms, [M, n] (float32 is
     plenty for a bound): |x^| |d (q - offset)| <= |x^| (|w| + |m|) per weight and
-    |x^| |m| for the min, with |x^| <= |x| + a half step covering either route's x."""
+    |x^| |m| for the min, with |x^| <= |x| + a half step covering either route's x.
+    (K-quants: :func:`k_quant_magnitudes` for every term.)"""
     xb = x.float().abs().reshape(x.shape[0], -1, 32)
     seen = (xb + xb.amax(dim=-1, keepdim=True) / 254).reshape(x.shape)
+    if packed.fmt in ql.K_QUANTS:
+        return ((packed.k // 32 + 4) * EPS32 * (seen @ k_quant_magnitudes(packed).t())).double() + 1e-6
     magnitude = seen @ w_abs.t()
     if packed.fmt == ql.Q4_1:
         m = packed.scales[:, :, 16:].float().permute(0, 2, 1).reshape(-1, packed.k // 32)
@@ -122,10 +144,33 @@ def test_every_model_shape_and_route_within_the_formats_rounding(ops, fmt, n, k)
                          skip_scalar=rows * n > 4 * 3072, weights=weights)
 
 
-@pytest.mark.parametrize("fmt", [ql.Q4_0, ql.Q4_1, ql.Q8_0])
+@pytest.mark.parametrize("fmt", [ql.Q4_K, ql.Q6_K])
+@pytest.mark.parametrize("n,k", [(576, 1536), (48, 2048)])  # SmolLM2's down_proj; 1B's k
+def test_k_quants_every_route_within_the_formats_rounding(ops, fmt, n, k):
+    packed = ql.pack_gguf_blocks(random_blocks(n, k, fmt, n + k), fmt, k)
+    weights = dequantised_weights(packed)
+    g = torch.Generator().manual_seed(k)
+    for rows in (1, 4, 32):
+        check_all_routes(ops, torch.randn(rows, k, generator=g), packed,
+                         skip_scalar=rows * n > 4 * 576, weights=weights)
+
+
+@pytest.mark.parametrize("fmt", [ql.Q4_K, ql.Q6_K])
+def test_k_quants_stay_about_as_small_as_the_gguf(fmt):
+    raw = random_blocks(40, 512, fmt, 2)  # 3 row groups (the last padded), 2 superblocks
+    packed = ql.pack_gguf_blocks(raw, fmt, 512)
+    # per 16 rows and 256 values: 8 blocks of qs and one scale record, against 16 GGUF
+    # superblocks: Q4_K 2048 + 320 = 2368 bytes (2304 in the GGUF), Q6_K 3072 + 288 = 3360
+    qs_bytes = {ql.Q4_K: 256, ql.Q6_K: 384}[fmt]
+    assert packed.nbytes == 3 * 2 * (8 * qs_bytes + ql._K_SCALE_BYTES[fmt])
+    gguf_bytes = 48 * raw.shape[1]
+    assert packed.nbytes <= gguf_bytes * (1.03 if fmt == ql.Q4_K else 1.0)
+
+
+@pytest.mark.parametrize("fmt", [ql.Q4_0, ql.Q4_1, ql.Q8_0, ql.Q4_K, ql.Q6_K])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 21])
 def test_row_tails_bias_and_partial_row_groups(ops, fmt, rows):
-    n, k = 40, 128  # 2.5 row groups: the last one padded
+    n, k = 40, 128 if fmt not in ql.K_QUANTS else 256  # 2.5 row groups: the last padded
     packed = ql.pack_gguf_blocks(random_blocks(n, k, fmt, rows), fmt, k)
     g = torch.Generator().manual_seed(rows)
     x, bias = torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
@@ -183,12 +228,30 @@ def test_bad_operands_are_refused(ops):
         ops.quant_linear(x, p.qs, p.scales, ql.Q4_1, 33, None, 0)
     with pytest.raises(RuntimeError, match="route"):
         ops.quant_linear(x, p.qs, p.scales, ql.Q4_1, 32, None, 9)
+    k = ql.pack_gguf_blocks(random_blocks(32, 256, ql.Q4_K, 1), ql.Q4_K, 256)
+    with pytest.raises(RuntimeError, match="K-quant scales"):  # a Q4_1's scales
+        ops.quant_linear(torch.randn(2, 256), k.qs, k.scales.view(torch.float16), ql.Q4_K,
+                         32, None, 0)
+    with pytest.raises(ValueError, match="superblocks"):
+        ql.pack_gguf_blocks(random_blocks(32, 256, ql.Q6_K, 1), ql.Q6_K, 128)
 
 
-@pytest.mark.parametrize("fmt", [ql.Q4_0, ql.Q4_1, ql.Q8_0])
+@pytest.mark.parametrize("fmt", [ql.Q4_K, ql.Q6_K])
+@pytest.mark.parametrize("n", [16, 40])
+def test_k_quant_packing_keeps_gguf_values_bit_for_bit(fmt, n):
+    raw = random_blocks(n, 512, fmt, n)
+    expected = torch.from_numpy(gguf_dequantize(raw.numpy(), GGML[fmt]))
+    packed = ql.pack_gguf_blocks(raw, fmt, 512)
+    assert torch.equal(ql.dequantize(packed), expected)
+    rows = torch.tensor([n - 1, 0, 17 % n, 5])
+    assert torch.equal(ql.dequantize(packed, rows), expected[rows])
+
+
+@pytest.mark.parametrize("fmt", [ql.Q4_0, ql.Q4_1, ql.Q8_0, ql.Q4_K, ql.Q6_K])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_dequantize_equals_the_reference(ops, fmt, dtype):
-    packed = ql.pack_gguf_blocks(random_blocks(40, 96, fmt, 5), fmt, 96)
+    k = 256 if fmt in ql.K_QUANTS else 96
+    packed = ql.pack_gguf_blocks(random_blocks(40, k, fmt, 5), fmt, k)
     expected = ql.dequantize(packed).to(dtype)
     assert torch.equal(ql.weight_rows(packed, None, dtype), expected)
     rows = torch.tensor([[39, 0], [16, 17]])

@@ -43,13 +43,62 @@ class TinyModelSpec:
     proj_type: Q = Q.F16
     norm_type: Q = Q.F32
     weight_scale: float = 1.0  # matrices are standard normal times this
+    part_types: dict[str, Q] = field(default_factory=dict)  # e.g. {"ffn_down": Q.Q6_K}
     extra_metadata: dict[str, Any] = field(default_factory=dict)
     extra_tensors: dict[str, np.ndarray] = field(default_factory=dict)  # stored as F32
 
 
+def _fp16_bytes(v: np.ndarray) -> np.ndarray:
+    return v.astype(np.float16).view(np.uint8).reshape(*v.shape, 2)
+
+
+def quantize_q4_k(values: np.ndarray) -> np.ndarray:
+    """Float rows (a multiple of 256 long) as Q4_K bytes: per 32 values a 4-bit range from
+    the block's min to its max, its scale and min in 6 bits under fp16 d and dmin per 256.
+    (A plain rounding, not llama.cpp's search: the bytes are what matters to a reader.)"""
+    rows = values.reshape(-1, 8, 32).astype(np.float32)  # [superblocks, blocks, 32]
+    lo = np.minimum(rows.min(-1), 0)
+    scale, mins = (rows.max(-1) - lo) / 15, -lo
+    d = (scale.max(-1) / 63).astype(np.float16)
+    dmin = (mins.max(-1) / 63).astype(np.float16)
+    inv = lambda v: np.where(v > 0, 1 / np.maximum(v, 1e-30), 0)  # noqa: E731
+    sc = np.clip(np.rint(scale * inv(d.astype(np.float32))[:, None]), 0, 63).astype(np.uint8)
+    m = np.clip(np.rint(mins * inv(dmin.astype(np.float32))[:, None]), 0, 63).astype(np.uint8)
+    step = d.astype(np.float32)[:, None] * sc
+    offset = dmin.astype(np.float32)[:, None] * m
+    q = np.clip(np.rint((rows + offset[..., None]) * inv(step)[..., None]), 0, 15).astype(np.uint8)
+    packed = np.concatenate([sc[:, :4] | (sc[:, 4:] >> 4) << 6, m[:, :4] | (m[:, 4:] >> 4) << 6,
+                             (sc[:, 4:] & 15) | (m[:, 4:] & 15) << 4], axis=1)
+    qs = (q[:, 0::2] | q[:, 1::2] << 4).reshape(-1, 128)  # chunk i: blocks 2i, 2i + 1
+    out = np.concatenate([_fp16_bytes(d), _fp16_bytes(dmin), packed, qs], axis=1)
+    return out.reshape(values.shape[0], -1)
+
+
+def quantize_q6_k(values: np.ndarray) -> np.ndarray:
+    """Float rows as Q6_K bytes: per 16 values a symmetric 6-bit range, its scale an int8
+    under an fp16 d per 256 (plain rounding, like quantize_q4_k)."""
+    rows = values.reshape(-1, 16, 16).astype(np.float32)
+    scale = np.abs(rows).max(-1) / 31
+    d = (scale.max(-1) / 127).astype(np.float16)
+    inv = lambda v: np.where(v > 0, 1 / np.maximum(v, 1e-30), 0)  # noqa: E731
+    sc = np.clip(np.rint(scale * inv(d.astype(np.float32))[:, None]), -128, 127).astype(np.int8)
+    step = d.astype(np.float32)[:, None] * sc
+    u = (np.clip(np.rint(rows * inv(step)[..., None]), -32, 31) + 32).astype(np.uint8)
+    u = u.reshape(-1, 2, 4, 32)  # [sb, half, quarter, l]: value 128 h + 32 s + l
+    ql = np.concatenate([(u[:, :, 0] & 15) | (u[:, :, 2] & 15) << 4,
+                         (u[:, :, 1] & 15) | (u[:, :, 3] & 15) << 4], axis=2).reshape(-1, 128)
+    qh = (u[:, :, 0] >> 4 | (u[:, :, 1] >> 4) << 2 | (u[:, :, 2] >> 4) << 4
+          | (u[:, :, 3] >> 4) << 6).reshape(-1, 64)
+    out = np.concatenate([ql, qh, sc.view(np.uint8), _fp16_bytes(d)], axis=1)
+    return out.reshape(values.shape[0], -1)
+
+
+_K_QUANTIZERS = {Q.Q4_K: quantize_q4_k, Q.Q6_K: quantize_q6_k}
+
+
 def _roundtrip(values: np.ndarray, qtype: Q) -> tuple[np.ndarray, np.ndarray]:
     """(bytes or array to store, float32 values a reader must get back)."""
-    stored = quantize(values, qtype)
+    stored = _K_QUANTIZERS[qtype](values) if qtype in _K_QUANTIZERS else quantize(values, qtype)
     if qtype in (Q.F32, Q.F16):
         return stored, stored.astype(np.float32)
     return stored, dequantize(stored, qtype)
@@ -74,8 +123,8 @@ def _hf_tensors(spec: TinyModelSpec, rng: np.random.Generator) -> list[tuple[str
              ("ffn_down", "mlp.down_proj", (h, i))]
     for layer in range(spec.num_layers):
         g, f = f"blk.{layer}", f"model.layers.{layer}"
-        out += [(f"{g}.{a}.weight", f"{f}.{b}.weight", rand(*shape), spec.proj_type)
-                for a, b, shape in parts]
+        out += [(f"{g}.{a}.weight", f"{f}.{b}.weight", rand(*shape),
+                 spec.part_types.get(a, spec.proj_type)) for a, b, shape in parts]
         out += [(f"{g}.attn_norm.weight", f"{f}.input_layernorm.weight", rand(h), spec.norm_type),
                 (f"{g}.ffn_norm.weight", f"{f}.post_attention_layernorm.weight", rand(h), spec.norm_type)]
         if spec.arch == "qwen2":

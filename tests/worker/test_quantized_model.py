@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as Q
 from config.schema import ConfigError, MemoryConfig, ModelConfig, WorkerConfig
 from engine_core.worker_sampling import WorkerSamplingParams
 from kernels import cpu_extension
-from kernels.quant_linear import Q4_1, Q8_0
+from kernels.quant_linear import Q4_1, Q4_K, Q6_K, Q8_0
 from tests.worker.gguf_factory import TinyModelSpec, write_tiny_gguf
 from worker import linear_backend
 from worker.gguf_loader import QuantizedBlocks
@@ -189,3 +189,46 @@ def test_features_that_rewrite_float_weights_refuse_quantized_ones(q_gguf):
     assert quantization_for_device("auto", cpu, sharded=True) == "none"
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         quantization_for_device("gguf", cpu, sharded=True)
+
+
+# A Q4_K_M-like file: Q4_K projections with ffn_down (and, in the second file, attn_v)
+# in Q6_K, and a Q6_K tied embedding; rows of 256 values, the K-quants' superblock.
+K_SPEC = dict(hidden_size=256, intermediate_size=512, num_layers=2, weight_scale=0.1,
+              proj_type=Q.Q4_K, embed_type=Q.Q6_K)
+
+
+@pytest.fixture(scope="module")
+def k_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("kquant") / "tiny-q4_k.gguf"
+    write_tiny_gguf(path, TinyModelSpec(**K_SPEC, part_types={"ffn_down": Q.Q6_K}))
+    return path
+
+
+def test_k_quant_blocks_stay_quantized_and_compute_the_dequantised_model(k_gguf):
+    runner = runner_for(k_gguf)
+    model = runner.model
+    assert runner.quantization == "gguf"
+    for layer in model.layers:
+        for mod, fmt in ((layer.self_attn.qkv_proj, Q4_K), (layer.self_attn.o_proj, Q4_K),
+                         (layer.mlp.gate_up_proj, Q4_K), (layer.mlp.down_proj, Q6_K)):
+            assert isinstance(mod, QuantLinear) and mod.weight.fmt == fmt
+    assert isinstance(model.embed_tokens, QuantEmbedding) and model.embed_tokens.weight.fmt == Q6_K
+    reference = logits(runner_for(k_gguf, quantization="none"))
+    for backend, tolerance in (("auto", 1e-5), ("native", 1e-5), ("widen", 1e-5),
+                               ("int8", 0.04)):
+        ours = logits(runner if backend == "auto" else runner_for(k_gguf, backend=backend))
+        assert relative_error(ours, reference) <= tolerance, backend
+        if backend != "int8":
+            assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+
+
+def test_k_quant_layers_whose_fused_parts_differ_load_as_floats(tmp_path):
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    write_tiny_gguf(path, TinyModelSpec(**K_SPEC, part_types={"ffn_down": Q.Q6_K,
+                                                               "attn_v": Q.Q6_K}))
+    runner = runner_for(path)
+    layer = runner.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj, Linear)  # Q4_K q, k with a Q6_K v
+    assert layer.mlp.down_proj.weight.fmt == Q6_K and layer.self_attn.o_proj.weight.fmt == Q4_K
+    reference = logits(runner_for(path, quantization="none"))
+    assert relative_error(logits(runner), reference) <= 1e-5

@@ -3,7 +3,7 @@
 Two ways in, both ending in :class:`QuantLinear` layers that hold a ``PackedWeight``
 (kernels/quant_linear.py) and compute through the native quantized kernels:
 
-* :func:`install_gguf_blocks`: a GGUF's Q4_0/Q4_1/Q8_0 matrices, as loaded by
+* :func:`install_gguf_blocks`: a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q6_K matrices, as loaded by
   worker/gguf_loader.py's ``load_gguf_quantized``. q/k/v and gate/up are fused as
   the float model fuses them, by stacking rows of blocks (blocks never straddle rows);
   the embedding becomes a :class:`QuantEmbedding` and, when tied, the LM head reads the
