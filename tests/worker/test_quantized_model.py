@@ -26,7 +26,8 @@ from worker.input_batch import build_input_batch
 from worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from worker.model_runner import ModelRunner
 from worker.models.linear import Linear
-from worker.models.quant_linear import QuantEmbedding, QuantLinear, install_gguf_blocks
+from worker.models.quant_linear import QuantEmbedding, QuantLinear, SplitQuantLinear
+from worker.models.quant_linear import install_gguf_blocks
 from worker.request_state import CachedRequestState
 
 pytestmark = pytest.mark.skipif(not cpu_extension.is_available(),
@@ -163,15 +164,18 @@ def test_quantization_choices_are_checked(tiny_llama_dir):
         WorkerConfig(linear_backend="amx")
 
 
-def test_fused_parts_of_different_formats_are_left_for_floats(q_gguf):
+def test_fused_parts_of_different_formats_are_packed_apart(q_gguf):
     model = runner_for(q_gguf, quantization="none").model
     raw = torch.zeros(64, 2 * 20, dtype=torch.uint8)
     blocks = {f"model.layers.0.self_attn.{n}_proj.weight": QuantizedBlocks(Q4_1, (64, 64), raw)
-              for n in "qkv"}
+              for n in "qk"}
     blocks["model.layers.0.self_attn.v_proj.weight"] = QuantizedBlocks(
-        Q8_0, (64, 64), torch.zeros(64, 2 * 34, dtype=torch.uint8))
-    assert install_gguf_blocks(model, blocks) == 0
-    assert len(blocks) == 3 and isinstance(model.layers[0].self_attn.qkv_proj, Linear)
+        Q8_0, (32, 64), torch.zeros(32, 2 * 34, dtype=torch.uint8))
+    assert install_gguf_blocks(model, blocks) == 1 and not blocks
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, SplitQuantLinear) and qkv.out_features == 160
+    assert [(p.weight.fmt, p.weight.n) for p in qkv.parts] == [(Q4_1, 128), (Q8_0, 32)]
+    assert not model.enable_fused_decode()  # the torch layers run a split projection
 
 
 def test_features_that_rewrite_float_weights_refuse_quantized_ones(q_gguf):
@@ -222,13 +226,18 @@ def test_k_quant_blocks_stay_quantized_and_compute_the_dequantised_model(k_gguf)
             assert torch.equal(ours.argmax(-1), reference.argmax(-1))
 
 
-def test_k_quant_layers_whose_fused_parts_differ_load_as_floats(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_k_quant_fused_parts_in_different_formats_stay_quantized_side_by_side(tmp_path, arch):
     path = tmp_path / "tiny-q4_k_m.gguf"
-    write_tiny_gguf(path, TinyModelSpec(**K_SPEC, part_types={"ffn_down": Q.Q6_K,
-                                                               "attn_v": Q.Q6_K}))
+    write_tiny_gguf(path, TinyModelSpec(**K_SPEC, arch=arch,
+                                        part_types={"ffn_down": Q.Q6_K, "attn_v": Q.Q6_K}))
     runner = runner_for(path)
     layer = runner.model.layers[0]
-    assert isinstance(layer.self_attn.qkv_proj, Linear)  # Q4_K q, k with a Q6_K v
+    qkv = layer.self_attn.qkv_proj  # Q4_K q and k, then a Q6_K v
+    assert isinstance(qkv, SplitQuantLinear)
+    assert [(p.weight.fmt, p.out_features) for p in qkv.parts] == [(Q4_K, 256 + 128), (Q6_K, 128)]
+    assert (qkv.bias is not None) == (arch == "qwen2")
     assert layer.mlp.down_proj.weight.fmt == Q6_K and layer.self_attn.o_proj.weight.fmt == Q4_K
+    assert not any(isinstance(m, Linear) for m in runner.model.modules())
     reference = logits(runner_for(path, quantization="none"))
     assert relative_error(logits(runner), reference) <= 1e-5

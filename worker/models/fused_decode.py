@@ -16,7 +16,8 @@ compile of minutes per batch shape on a 2-core machine.
 A step takes the fused path when every row is a decode on the native CPU attention
 kernel, with no LoRA, no tensor parallelism, no deterministic mode (whose padded
 linears it does not run) and a KV cache in the activation dtype; otherwise the torch
-layers run. ``worker.fused_decode: false`` turns it off.
+layers run. A model with a fused projection split by format (``SplitQuantLinear``: a
+Q4_K_M file's Q6_K v_proj beside Q4_K q and k) runs the torch layers too. ``worker.fused_decode: false`` turns it off.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from kernels import cpu_extension
 from kernels.quant_linear import PackedWeight
 from worker.models.linear import linear_path
 from worker.models.linear_paths import INT8, KERNEL, NATIVE, WIDEN
+from worker.models.quant_linear import SplitQuantLinear
 
 if TYPE_CHECKING:
     from worker.models.llama import AttentionContext, LlamaDecoderLayer, LlamaForCausalLM
@@ -78,7 +80,8 @@ class FusedDecode:
     def supports(model: LlamaForCausalLM) -> bool:
         """Whether this model can take the fused path at all (checked once, at load)."""
         return (model.tp is None and model.norm.weight.device.type == "cpu"
-                and cpu_extension.is_available())
+                and cpu_extension.is_available()
+                and not any(isinstance(m, SplitQuantLinear) for m in model.modules()))
 
     def takes(self, num_tokens: int, dtype: torch.dtype, kv_caches: list[torch.Tensor],
               ctx: AttentionContext) -> bool:

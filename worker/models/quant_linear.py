@@ -7,7 +7,9 @@ Two ways in, both ending in :class:`QuantLinear` layers that hold a ``PackedWeig
   worker/gguf_loader.py's ``load_gguf_quantized``. q/k/v and gate/up are fused as
   the float model fuses them, by stacking rows of blocks (blocks never straddle rows);
   the embedding becomes a :class:`QuantEmbedding` and, when tied, the LM head reads the
-  same packed matrix. Call it before ``load_weights``, which then loads only the rest.
+  same packed matrix. Parts in different formats (a Q4_K_M file's Q6_K v_proj beside
+  Q4_K q and k) stay apart in a :class:`SplitQuantLinear`. Call it before
+  ``load_weights``, which then loads only the rest.
 * :func:`quantize_linears_int8`: after a float model is loaded, each linear weight is
   quantized per output channel to int8 (vLLM's on-the-fly style), held as Q8_0 blocks
   that share their row's scale. Embedding and LM head stay as they are.
@@ -44,6 +46,24 @@ class QuantLinear(nn.Module):
                 f"format={self.weight.format_name}")
 
 
+class SplitQuantLinear(nn.Module):
+    """A fused projection whose parts are packed in different formats: one
+    :class:`QuantLinear` per run of same-format parts, their outputs side by side (the
+    rows the fused float layer would hold, in order); the fused ``bias``, if any, is
+    this layer's, so it loads under the fused layer's name."""
+
+    def __init__(self, parts: list[QuantLinear], bias: torch.Tensor | None = None):
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.cat([part(x) for part in self.parts], dim=-1)
+        return out if self.bias is None else out + self.bias
+
+
 class QuantEmbedding(nn.Module):
     """Token embeddings looked up in a packed quantized matrix (rows dequantised on
     demand, into the dtype the model was last moved to)."""
@@ -73,6 +93,17 @@ def _stack(parts: list[QuantizedBlocks]) -> PackedWeight | None:
     return pack_gguf_blocks(raw, parts[0].ggml_type, parts[0].shape[1])
 
 
+def _split_layer(parts: list[QuantizedBlocks], bias: torch.Tensor | None) -> SplitQuantLinear:
+    """Runs of same-format parts, each packed on its own rows."""
+    runs: list[list[QuantizedBlocks]] = []
+    for part in parts:
+        if runs and runs[-1][0].ggml_type == part.ggml_type:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return SplitQuantLinear([QuantLinear(_stack(run)) for run in runs], bias)
+
+
 def _fused_groups(num_layers: int) -> dict[str, list[str]]:
     """Model module path → the HF weight names it fuses, in row order."""
     groups = {}
@@ -90,17 +121,18 @@ def _fused_groups(num_layers: int) -> dict[str, list[str]]:
 def install_gguf_blocks(model: nn.Module, blocks: dict[str, QuantizedBlocks]) -> int:
     """Swap in quantized layers for the matrices in ``blocks``; returns how many.
 
-    Entries used are removed from ``blocks``; what is left (a fused layer whose parts
-    differ in format) the caller dequantises and loads as floats."""
+    Entries used are removed from ``blocks``; what is left (a matrix no layer here
+    takes) the caller dequantises and loads as floats."""
     count = 0
     for path, names in _fused_groups(model.arch.num_hidden_layers).items():
         if not all(n in blocks for n in names):
             continue
-        packed = _stack([blocks[n] for n in names])
-        if packed is None:
-            continue
+        parts = [blocks[n] for n in names]
+        packed = _stack(parts)
         layer = model.get_submodule(path)
-        model.set_submodule(path, QuantLinear(packed, getattr(layer, "bias", None)))
+        bias = getattr(layer, "bias", None)
+        model.set_submodule(path, QuantLinear(packed, bias) if packed is not None
+                            else _split_layer(parts, bias))
         for n in names:
             del blocks[n]
         count += 1
