@@ -10,7 +10,10 @@ seed, all the same weights:
 * ``model-q8_0.gguf`` and ``model-q4_1.gguf``: that folder converted by llama.cpp's own
   ``convert_hf_to_gguf.py`` (from the sdist benchmarks/llamacpp.py unpacks) to f16,
   then ``llama-quantize --pure`` (every matrix in the one format, the embedding and LM
-  head included, as Folio's kernels take them).
+  head included, as Folio's kernels take them);
+* ``model-q4_k_m.gguf``: the same f16 file through ``llama-quantize`` Q4_K_M, llama.cpp's
+  own mix (Q4_K, with Q6_K for the LM head and for some layers' v_proj and down_proj),
+  the format most GGUFs on the Hub come in.
 
 Weights are N(0, 0.05) like benchmarks/random_checkpoints.py's full shapes.
 
@@ -35,7 +38,8 @@ from benchmarks import llamacpp  # noqa: E402
 from benchmarks.random_checkpoints import architecture  # noqa: E402
 
 SMOLLM2_VOCAB = 49152
-FORMATS = ("q8_0", "q4_1")
+FORMATS = ("q8_0", "q4_1", "q4_k_m")
+MIXES = ("q4_k_m",)  # llama.cpp's per-tensor choice of formats, not --pure
 
 
 def config_kwargs() -> dict:
@@ -89,15 +93,17 @@ def convert(hf: Path, out: Path, fmt: str, jobs: int = 2) -> Path:
         subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(hf),
                         "--outtype", "f16", "--outfile", str(f16)], check=True, env=env)
     quantize = llamacpp.binary("llama-quantize") or llamacpp.build(jobs) / "llama-quantize"
-    subprocess.run([str(quantize), "--pure", str(f16), str(target), fmt.upper(), "2"],
+    pure = [] if fmt in MIXES else ["--pure"]
+    subprocess.run([str(quantize), *pure, str(f16), str(target), fmt.upper(), "2"],
                    check=True)
     return target
 
 
-def write_all(out: Path, seed: int = 0, keep_f16: bool = False) -> dict:
+def write_all(out: Path, seed: int = 0, keep_f16: bool = False,
+              formats: tuple[str, ...] = FORMATS) -> dict:
     hf = write_hf(out / "hf", seed)
     paths = {"hf": str(hf)}
-    for fmt in FORMATS:
+    for fmt in formats:
         paths[fmt] = str(convert(hf, out, fmt))
     if not keep_f16:
         (out / "model-f16.gguf").unlink(missing_ok=True)
@@ -108,8 +114,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
     args = ap.parse_args(argv)
-    print(json.dumps(write_all(args.out, args.seed), indent=1))
+    print(json.dumps(write_all(args.out, args.seed, formats=tuple(args.formats)), indent=1))
     return 0
 
 

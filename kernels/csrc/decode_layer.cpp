@@ -42,8 +42,8 @@ constexpr int64_t kQuantWidenRoute = 4, kQuantBestInt8Route = 0;  // quant_linea
 
 // Operand slots in `weights` and fields of `meta` (see the schema at the bottom).
 enum Slot { kInNorm, kPostNorm, kQkv, kQkvScales, kQkvBias, kO, kOScales, kGateUp,
-            kGateUpScales, kDown, kDownScales, kNumSlots };
-enum Meta { kHeads, kKvHeads, kHeadDim, kLinearMeta, kNumMeta = kLinearMeta + 12 };
+            kGateUpScales, kDown, kDownScales, kQkvTail, kQkvTailScales, kNumSlots };
+enum Meta { kHeads, kKvHeads, kHeadDim, kLinearMeta, kNumMeta = kLinearMeta + 15 };
 
 using OptTensor = c10::optional<at::Tensor>;
 
@@ -151,7 +151,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 
   auto [h, res] = rms_norm(hidden, *w[kInNorm], eps, residual);
   if (!res.defined()) res = hidden;  // the first layer: the residual is its input
-  const at::Tensor qkv = linear(h, w[kQkv], w[kQkvScales], w[kQkvBias], lm).contiguous();
+  at::Tensor qkv;
+  if (has(w[kQkvTail])) {  // q/k/v rows packed in two formats: the parts side by side
+    qkv = at::cat({linear(h, w[kQkv], w[kQkvScales], c10::nullopt, lm),
+                   linear(h, w[kQkvTail], w[kQkvTailScales], c10::nullopt, lm + 12)}, 1);
+    if (has(w[kQkvBias])) qkv.add_(*w[kQkvBias]);
+  } else {
+    qkv = linear(h, w[kQkv], w[kQkvScales], w[kQkvBias], lm).contiguous();
+  }
   TORCH_CHECK(qkv.size(1) == (heads + 2 * kv_heads) * hd,
               "decode_layer: qkv width does not match the head shape");
   at::Tensor q = at::empty({rows, heads, hd}, hidden.options());
@@ -181,10 +188,13 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 
 TORCH_LIBRARY_FRAGMENT(folio, m) {
   // weights: input/post-attention norm weights, then per linear layer its weight (or a
-  // packed weight's qs) and scales (None for a plain tensor), the qkv bias after qkv's:
+  // packed weight's qs) and scales (None for a plain tensor), the qkv bias after qkv's,
+  // and last the packed rows of q/k/v that follow qkv's in another format (None if all
+  // are in one):
   //   [in_norm, post_norm, qkv, qkv_scales, qkv_bias, o, o_scales, gate_up,
-  //    gate_up_scales, down, down_scales]
-  // meta: [heads, kv_heads, head_dim] then (path, fmt, n) for qkv, o, gate_up, down.
+  //    gate_up_scales, down, down_scales, qkv_tail, qkv_tail_scales]
+  // meta: [heads, kv_heads, head_dim] then (path, fmt, n) for qkv, o, gate_up, down and
+  // qkv_tail (zeros without one).
   m.def("decode_layer(Tensor hidden, Tensor? residual, Tensor?[] weights, int[] meta, "
         "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
         "Tensor cos, Tensor sin, float eps, float scale, int? sliding_window=None) "

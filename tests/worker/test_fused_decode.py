@@ -44,6 +44,11 @@ def models(tmp_path_factory):
         "qwen2": TinyModelSpec(arch="qwen2", proj_type=Q.F16, weight_scale=0.1,
                                num_layers=2),
     }
+    for arch in ("llama", "qwen2"):  # Q4_K_M's mix: a Q6_K v beside Q4_K q and k
+        specs[f"q4_k_m_{arch}"] = TinyModelSpec(
+            arch=arch, hidden_size=256, intermediate_size=512, num_layers=2,
+            weight_scale=0.1, proj_type=Q.Q4_K, embed_type=Q.Q6_K,
+            part_types={"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K})
     paths = {}
     for name, spec in specs.items():
         paths[name] = root / f"{name}.gguf"
@@ -104,7 +109,7 @@ def assert_same(results):
     assert not torch.equal(c_ref[0], torch.zeros_like(c_ref[0]))
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_k_m_llama", "q4_k_m_qwen2"])
 @pytest.mark.parametrize("backend", ["auto", "widen", "int8", "native"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_quantized_weights_every_path(models, fmt, backend, dtype):

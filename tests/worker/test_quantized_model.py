@@ -175,7 +175,7 @@ def test_fused_parts_of_different_formats_are_packed_apart(q_gguf):
     qkv = model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, SplitQuantLinear) and qkv.out_features == 160
     assert [(p.weight.fmt, p.weight.n) for p in qkv.parts] == [(Q4_1, 128), (Q8_0, 32)]
-    assert not model.enable_fused_decode()  # the torch layers run a split projection
+    assert model.enable_fused_decode()  # q/k/v in two formats: the op takes the tail
 
 
 def test_features_that_rewrite_float_weights_refuse_quantized_ones(q_gguf):

@@ -16,8 +16,9 @@ compile of minutes per batch shape on a 2-core machine.
 A step takes the fused path when every row is a decode on the native CPU attention
 kernel, with no LoRA, no tensor parallelism, no deterministic mode (whose padded
 linears it does not run) and a KV cache in the activation dtype; otherwise the torch
-layers run. A model with a fused projection split by format (``SplitQuantLinear``: a
-Q4_K_M file's Q6_K v_proj beside Q4_K q and k) runs the torch layers too. ``worker.fused_decode: false`` turns it off.
+layers run. A q/k/v projection packed in two formats (``SplitQuantLinear``: a Q4_K_M
+file's Q6_K v_proj beside Q4_K q and k) passes its second part as the op's ``qkv_tail``;
+a model with any other split projection runs the torch layers. ``worker.fused_decode: false`` turns it off.
 """
 from __future__ import annotations
 
@@ -47,6 +48,15 @@ def _operands(layer) -> tuple[list, tuple]:
     return [w, None], (0, w.shape[0])
 
 
+def _splits_allowed(layer) -> bool:
+    """Whether the native op takes this layer's projections: split only q/k/v, in two."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = attn.qkv_proj
+    return (not any(isinstance(m, SplitQuantLinear) for m in (attn.o_proj, mlp.gate_up_proj,
+                                                              mlp.down_proj))
+            and (not isinstance(qkv, SplitQuantLinear) or len(qkv.parts) == 2))
+
+
 class FusedDecode:
     """The native per-layer decode op for one model: each layer's operands gathered
     once (parameters, whose ``.data`` sleep mode may swap, are passed as themselves) and
@@ -56,17 +66,26 @@ class FusedDecode:
         self.model = model
         self.ops = cpu_extension.require()
         self.layers: list[list] = []
-        self._linears: list[list] = []  # per layer: (layer, fmt, n) of qkv, o, gate_up, down
+        self._linears: list[list] = []  # per layer: (layer, fmt, n) of qkv, o, gate_up,
+        # down and qkv's tail (None, 0, 0 without one)
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             linears = []
-            for i, lin in enumerate((attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
-                                     mlp.down_proj)):
+            qkv, tail = attn.qkv_proj, None
+            if isinstance(qkv, SplitQuantLinear):
+                (head, tail), bias = qkv.parts, qkv.bias
+            else:
+                head, bias = qkv, qkv.bias
+            for i, lin in enumerate((head, attn.o_proj, mlp.gate_up_proj, mlp.down_proj, tail)):
+                if lin is None:  # no tail: (path, fmt, n) = 0 in the meta
+                    weights += [None, None]
+                    linears.append((None, 0, 0))
+                    continue
                 operands, (fmt, n) = _operands(lin)
                 weights += operands
                 if i == 0:
-                    weights.append(lin.bias)
+                    weights.append(bias)
                 linears.append((lin, fmt, n))
             self.layers.append(weights)
             self._linears.append(linears)
@@ -81,7 +100,7 @@ class FusedDecode:
         """Whether this model can take the fused path at all (checked once, at load)."""
         return (model.tp is None and model.norm.weight.device.type == "cpu"
                 and cpu_extension.is_available()
-                and not any(isinstance(m, SplitQuantLinear) for m in model.modules()))
+                and all(_splits_allowed(layer) for layer in model.layers))
 
     def takes(self, num_tokens: int, dtype: torch.dtype, kv_caches: list[torch.Tensor],
               ctx: AttentionContext) -> bool:
@@ -99,6 +118,9 @@ class FusedDecode:
             for linears in self._linears:
                 meta = list(self.head_shape)
                 for lin, fmt, n in linears:
+                    if lin is None:
+                        meta += [0, 0, 0]
+                        continue
                     path = linear_path(rows, dtype, torch.device("cpu"), lin.weight, lin.choice)
                     meta += [_PATH_CODES[path], fmt, n]
                 metas.append(meta)
