@@ -223,10 +223,11 @@ void dequantize_row(const uint8_t* qs, const uint8_t* sc, int64_t B, int64_t row
     const uint8_t* q = qs + (g * B + b) * qs_bytes(Fmt);
     alignas(64) float D[2][16], M[2][16];
     block_scales<Fmt>(sc + g * group_scale_bytes(Fmt, B), b, D, M);
-    for (int k = 0; k < kBlock; ++k)
-      out[b * kBlock + k] = static_cast<O>(
-          static_cast<float>(stored_at<Fmt>(q, j, k) - offset_of(Fmt)) * D[k / 16][j] +
-          M[k / 16][j]);
+    for (int k = 0; k < kBlock; ++k) {
+      const float w = static_cast<float>(stored_at<Fmt>(q, j, k) - offset_of(Fmt)) *
+                      D[split_halves(Fmt) ? k / 16 : 0][j];
+      out[b * kBlock + k] = static_cast<O>(has_min(Fmt) ? w + M[0][j] : w + 0.f);
+    }
   }
 }
 

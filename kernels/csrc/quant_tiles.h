@@ -48,18 +48,15 @@ inline int32_t word_at(const int8_t* p) {  // 4 int8 as one 32-bit word (to broa
   return w;
 }
 
-// Block b's multipliers for the 16 rows, w = D * (u - offset) + M, per half block of 16
-// k (the halves differ only for Q6_K; M is zero but for Q4_1 and Q4_K). Products of an
-// fp16 d and a 6- or 8-bit integer are exact in float32.
+// Block b's multipliers for the 16 rows, w = D * (u - offset) + M. Only what the format
+// has is written: D[1] (the second half block of 16 k) for Q6_K, M for Q4_1 and Q4_K.
+// Products of an fp16 d and a 6- or 8-bit integer are exact in float32.
 template <int64_t Fmt>
 inline void block_scales(const uint8_t* sc, int64_t b, float (&D)[2][16], float (&M)[2][16]) {
   if constexpr (!is_k(Fmt)) {
     const c10::Half* s = reinterpret_cast<const c10::Half*>(sc) + b * scale_count(Fmt);
     halves_to_float(s, D[0]);
     if constexpr (Fmt == kQ4_1) halves_to_float(s + 16, M[0]);
-    else for (int j = 0; j < kGroupRows; ++j) M[0][j] = 0.f;
-    std::memcpy(D[1], D[0], sizeof D[0]);
-    std::memcpy(M[1], M[0], sizeof M[0]);
   } else {
     const uint8_t* rec = sc + (b / kSuperBlocks) * k_scale_bytes(Fmt);
     const int i = static_cast<int>(b % kSuperBlocks);
@@ -71,16 +68,13 @@ inline void block_scales(const uint8_t* sc, int64_t b, float (&D)[2][16], float 
       const uint8_t* s = rec + 64 + 16 * i;
       const uint8_t* m = rec + 192 + 16 * i;
       for (int j = 0; j < kGroupRows; ++j) {
-        D[0][j] = D[1][j] = d[j] * static_cast<float>(s[j]);
-        M[0][j] = M[1][j] = -(dmin[j] * static_cast<float>(m[j]));
+        D[0][j] = d[j] * static_cast<float>(s[j]);
+        M[0][j] = -(dmin[j] * static_cast<float>(m[j]));
       }
     } else {
       const int8_t* s = reinterpret_cast<const int8_t*>(rec + 32 + 32 * i);
       for (int h = 0; h < 2; ++h)
-        for (int j = 0; j < kGroupRows; ++j) {
-          D[h][j] = d[j] * static_cast<float>(s[16 * h + j]);
-          M[h][j] = 0.f;
-        }
+        for (int j = 0; j < kGroupRows; ++j) D[h][j] = d[j] * static_cast<float>(s[16 * h + j]);
     }
   }
 }
@@ -342,10 +336,10 @@ inline void tile_widen(const uint8_t* qs, const uint8_t* sc, int64_t B, const fl
     const uint8_t* q = qs + b * qs_bytes(Fmt);
     const float* xb = x + m0 * ldx + b * kBlock;
     for (int h = 0; h < H; ++h) {
-      v16f d, mn;
+      v16f d, mn{};
       std::memcpy(&d, D[h], sizeof d);
-      std::memcpy(&mn, M[h], sizeof mn);
-      mn -= d * static_cast<float>(offset_of(Fmt));  // w = d * u + mn
+      if constexpr (has_min(Fmt)) std::memcpy(&mn, M[0], sizeof mn);
+      if constexpr (offset_of(Fmt) != 0) mn -= d * static_cast<float>(offset_of(Fmt));  // w = d u + mn
       v16f part[MR][P];
       for (int r = 0; r < MR; ++r)
         for (int i = 0; i < P; ++i) part[r][i] = v16f{};
