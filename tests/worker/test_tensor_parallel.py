@@ -106,13 +106,13 @@ def step_logits(runner, lengths) -> list[torch.Tensor]:
     return result
 
 
-def prompt_logprobs(llm) -> list[tuple[int, float]]:
-    """(token, logprob) of each scored prompt token and its top 3, over 100 tokens in
+def prompt_logprobs(llm) -> list[dict[int, float]]:
+    """{token: logprob} of each scored prompt token and its top 3, over 100 tokens in
     64-token chunks: the logits rows rank 0 asks the other ranks for outside sampling."""
     prompt = {"prompt_token_ids": list(range(300, 400))}
     out = llm.generate(prompt, SamplingParams(max_tokens=1, prompt_logprobs=3),
                        use_tqdm=False)[0]
-    return [(t, lp.logprob) for d in out.prompt_logprobs[1:] for t, lp in d.items()]
+    return [{t: lp.logprob for t, lp in d.items()} for d in out.prompt_logprobs[1:]]
 
 
 def check_against_size_one(model, tp, alone_prompts=range(8), **overrides):
@@ -125,10 +125,12 @@ def check_against_size_one(model, tp, alone_prompts=range(8), **overrides):
         assert split.runner.model.shard.num_heads * tp == split.runner.arch.num_attention_heads
         assert greedy_runs(split, alone_prompts) == expected
         got = prompt_logprobs(split)
-        assert len(got) >= 99 * 2 and [t for t, _ in got] == [t for t, _ in
-                                                            expected_prompt_logprobs]
-        assert [lp for _, lp in got] == pytest.approx(
-            [lp for _, lp in expected_prompt_logprobs], abs=1e-4)
+        # the same tokens with the same logprobs at every position; two of a top 3 within
+        # float rounding of each other may swap ranks (seen on an AVX2-only CPU)
+        assert len(got) == 99 and [set(d) for d in got] == [set(d) for d in
+                                                             expected_prompt_logprobs]
+        for d, want in zip(got, expected_prompt_logprobs):
+            assert [d[t] for t in want] == pytest.approx(list(want.values()), abs=1e-4)
         for got, want in zip(step_logits(split.runner, [37, 5, 20]), expected_logits):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
 
