@@ -160,9 +160,18 @@ def _q6_k_fields(blocks: torch.Tensor):
     return d, sc, u
 
 
+PACK_ROWS = 4096  # rows packed at a time (a multiple of GROUP_ROWS)
+
+
 def pack_gguf_blocks(raw: torch.Tensor, fmt: int, k: int) -> PackedWeight:
-    """A GGUF tensor's bytes, uint8 ``[n, k / 32 * block_bytes]``, in the packed layout."""
+    """A GGUF tensor's bytes, uint8 ``[n, k / 32 * block_bytes]``, in the packed layout.
+    Rows go PACK_ROWS at a time, so the unpacking's temporaries stay small beside the
+    result (a 1B model's 49,152-row LM head would otherwise peak at several copies)."""
     n = raw.shape[0]
+    if n > PACK_ROWS:
+        parts = [pack_gguf_blocks(raw[i:i + PACK_ROWS], fmt, k) for i in range(0, n, PACK_ROWS)]
+        return PackedWeight(fmt, n, k, torch.cat([q.qs for q in parts]),
+                            torch.cat([q.scales for q in parts]))
     if fmt in K_QUANTS:
         if k % SUPERBLOCK:
             raise ValueError(f"{FORMAT_NAMES[fmt]} rows hold whole superblocks of 256 values")

@@ -258,3 +258,14 @@ def test_native_dequantize_equals_the_reference(ops, fmt, dtype):
     assert torch.equal(ql.weight_rows(packed, rows, dtype), expected[rows.view(-1)])
     with pytest.raises(RuntimeError, match="out of range"):
         ql.weight_rows(packed, torch.tensor([40]))
+
+
+@pytest.mark.parametrize("fmt", [ql.Q4_0, ql.Q4_1, ql.Q8_0, ql.Q4_K, ql.Q6_K])
+def test_packing_in_row_chunks_changes_nothing(fmt, monkeypatch):
+    k = 256
+    raw = random_blocks(70, k, fmt, 4)  # chunks of 32, 32 and 6 rows (the last padded)
+    whole = ql.pack_gguf_blocks(raw, fmt, k)
+    monkeypatch.setattr(ql, "PACK_ROWS", 32)
+    chunked = ql.pack_gguf_blocks(raw, fmt, k)
+    assert torch.equal(chunked.qs, whole.qs) and torch.equal(chunked.scales, whole.scales)
+    assert chunked.n == 70 and chunked.k == k
