@@ -19,8 +19,8 @@ from worker.device import resolve_device
 from worker.distributed.follower import check_tp_supported
 from worker.distributed.tp_group import init_tp_group
 from worker.draft_runner import check_draft_tokenizer
+from worker.heap import bound_heap_growth, release_freed_memory
 from worker.model_runner import ModelRunner
-from worker.quantization import release_freed_memory
 from worker.worker_control import WorkerControl
 
 
@@ -43,6 +43,7 @@ def bootstrap_model(config: FolioConfig) -> LoadedModel:
     group (the other ranks must be starting: worker/distributed/rank_processes.py or
     `folio serve`) and holds rank 0's slice; the facts are every rank's (the KV pool is
     the smallest any rank can hold)."""
+    bound_heap_growth()  # large temporaries go back to the OS (worker/heap.py)
     tp = None
     if config.parallel.is_enabled:
         check_tp_supported(config)

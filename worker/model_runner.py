@@ -23,7 +23,8 @@ from worker.kv_cache import KVCacheSpec, copy_blocks, resolve_kv_cache_dtype
 from worker.kv_pool import initialize_kv_pool
 from worker.linear_backend import choose_linear_backends
 from worker.loader import load_model
-from worker.quantization import load_weights, quantization_for_device, release_freed_memory
+from worker.heap import release_freed_memory
+from worker.quantization import load_weights, quantization_for_device
 from worker.lora.lora_manager import LoRAManager
 from worker.lora.lora_step import LoRAStep
 from worker.models.registry import build_model

@@ -19,9 +19,6 @@ refused; on a CPU where the native kernels cannot be built ``auto`` means ``none
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-
 import torch
 from torch import nn
 
@@ -73,15 +70,3 @@ def load_weights(model: nn.Module, loaded: LoadedModel, device: torch.device,
     if loaded.quantization == "int8":
         quantize_linears_int8(model)
     return loaded.quantization
-
-
-def release_freed_memory() -> None:
-    """Hand the heap's free pages back to the OS (glibc keeps them otherwise): loading
-    frees the float layers a quantized model replaced, about 80 MB of RSS for SmolLM2."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        if libc is not None and hasattr(libc, "malloc_trim"):
-            libc.malloc_trim(0)
-    except OSError:
-        pass

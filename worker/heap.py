@@ -1,0 +1,46 @@
+"""The C heap of a process that runs the model: keep its resident size near what is live.
+
+glibc serves a large allocation (128 KiB and up, at first) from its own mmap, returned to
+the OS when freed, but every such free raises that threshold to the freed size, up to
+32 MiB. After the first prefill has freed a few activations or dequantised weights of
+tens of MB, later ones come from the heap, and the heap keeps its free pages: a 1B
+model's worker grew by about 150 MB over its first requests that way and stayed there.
+:func:`bound_heap_growth` fixes the threshold (which also turns off the raising), so
+allocations of 4 MiB and up always come from, and go back to, the OS; the cost is a
+page fault per 4 KiB page touched on each such allocation, small beside the prefill
+arithmetic that allocates them. Decode-sized tensors stay on the heap.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+MMAP_THRESHOLD = 4 * 1024 * 1024
+
+
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
+def bound_heap_growth(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Serve allocations of ``threshold`` bytes and up from mmap, for good; returns
+    whether the C library took it (glibc's ``mallopt``; elsewhere nothing changes)."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    took = libc.mallopt(M_MMAP_THRESHOLD, threshold) == 1
+    # and free space past 2x that at the top of the heap is trimmed as it appears
+    return took and libc.mallopt(M_TRIM_THRESHOLD, 2 * threshold) == 1
+
+
+def release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc keeps them otherwise): loading
+    frees the float layers a quantized model replaced, about 80 MB of RSS for SmolLM2."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
