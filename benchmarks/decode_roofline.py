@@ -191,17 +191,22 @@ def serve_single_stream(args) -> dict:
 
 def worker_memory(serve_pid: int, model_file: Path, kv_bytes: int) -> dict:
     """The worker process's resident memory against the issue's bound: the model file's
-    size plus the KV pool plus 300 MB."""
+    size plus the KV pool plus 300 MB; right after the last request, and at rest (once
+    the idle worker has trimmed its heap, services/worker_service/service.py)."""
     from observability.process_stats import command_line, descendants
+    from services.worker_service.service import IDLE_TRIM_SECONDS
     worker = next(p for p in descendants(serve_pid)
                   if "services.worker_service" in " ".join(command_line(p)))
     rss, peak = (_status_bytes(field, worker) for field in ("VmRSS", "VmHWM"))
+    time.sleep(IDLE_TRIM_SECONDS + 1.0)
+    rest = _status_bytes("VmRSS", worker)
     files = [model_file] if model_file.is_file() else list(model_file.glob("*.safetensors"))
     bound = sum(f.stat().st_size for f in files) + kv_bytes + 300 * 2 ** 20
-    print(f"worker RSS {rss / 2 ** 20:.0f} MiB (peak {peak / 2 ** 20:.0f}) vs bound "
-          f"{bound / 2 ** 20:.0f} MiB", flush=True)
-    return {"rss_bytes": rss, "peak_rss_bytes": peak, "kv_pool_bytes": kv_bytes,
-            "bound_bytes": bound, "within_bound": rss <= bound}
+    print(f"worker RSS {rss / 2 ** 20:.0f} MiB after the last request, {rest / 2 ** 20:.0f} "
+          f"at rest (peak {peak / 2 ** 20:.0f}) vs bound {bound / 2 ** 20:.0f} MiB", flush=True)
+    return {"rss_bytes": rss, "rest_rss_bytes": rest, "peak_rss_bytes": peak,
+            "kv_pool_bytes": kv_bytes, "bound_bytes": bound, "within_bound": rss <= bound,
+            "within_bound_at_rest": rest <= bound}
 
 
 def run(args) -> dict:

@@ -10,8 +10,11 @@ from tests.services.service_stack import collect_outputs, start_core_stack, tiny
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def test_requests_flow_through_both_services(tiny_llama_dir, default_model_path, tmp_path):
+def test_requests_flow_through_both_services(tiny_llama_dir, default_model_path, tmp_path,
+                                            monkeypatch):
     from folio import LLM
+    from services.worker_service import service as worker_service
+    monkeypatch.setattr(worker_service, "IDLE_TRIM_SECONDS", 0.3)
     config = tiny_config(tiny_llama_dir, default_model_path)
     prompts = {"a": [5, 6, 7, 8], "b": list(range(100, 140)), "c": [9] * 20}
     offline = LLM(config)
@@ -20,7 +23,7 @@ def test_requests_flow_through_both_services(tiny_llama_dir, default_model_path,
                 for k, p in prompts.items()}
 
     async def main():
-        _, service, engine_ep, runners, loop_task = await start_core_stack(config, tmp_path)
+        worker, service, engine_ep, runners, loop_task = await start_core_stack(config, tmp_path)
         try:
             link, session = await connect(engine_ep, "api-test")
             for req_id, prompt in prompts.items():
@@ -38,6 +41,9 @@ def test_requests_flow_through_both_services(tiny_llama_dir, default_model_path,
             await asyncio.wait_for(collect_outputs(link, {"long"}), 60)
             kv = service.engine.scheduler.kv_cache_manager
             assert kv.usage == 0.0 and not service.engine.has_unfinished_requests()
+            # idle: the worker hands its freed heap back once, not after every step
+            await asyncio.sleep(1.0)
+            assert 1 <= worker.num_idle_trims < worker.num_steps
             await link.close()
             await session.close()
         finally:
