@@ -16,14 +16,18 @@ Two ways in, both ending in :class:`QuantLinear` layers that hold a ``PackedWeig
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from kernels.quant_linear import BLOCK, PackedWeight, int8_per_channel, pack_gguf_blocks
 from kernels.quant_linear import weight_rows
-from worker.gguf_loader import QuantizedBlocks
 from worker.models.linear import Linear, linear
 from worker.models.linear_paths import LinearChoice
+
+if TYPE_CHECKING:  # the model code imports this module on GPU machines, which lack gguf
+    from worker.gguf_loader import QuantizedBlocks
 
 
 class QuantLinear(nn.Module):
