@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 4 * 1024 * 1024
 
 
+@functools.cache
 def _libc():
+    """The C library, looked up once (find_library runs ldconfig in a subprocess)."""
     name = ctypes.util.find_library("c")
     try:
         return ctypes.CDLL(name) if name else None

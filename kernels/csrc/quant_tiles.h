@@ -281,29 +281,32 @@ template <int64_t Fmt, int MR>
 inline void tile_scalar(const uint8_t* qs, const uint8_t* sc, int64_t B,
                         const QuantizedRows& xr, int64_t m0, float* out) {
   const int64_t K = B * kBlock;
-  for (int r = 0; r < MR; ++r)
-    for (int j = 0; j < kGroupRows; ++j) {
-      float acc = 0.f;
-      for (int64_t b = 0; b < B; ++b) {
-        alignas(64) float D[2][16], M[2][16];
-        block_scales<Fmt>(sc, b, D, M);
-        const int64_t row = m0 + r, i = row * B + b;
-        const uint8_t* q = qs + b * qs_bytes(Fmt);
-        const int8_t* x = xr.q.data() + row * K + b * kBlock;
+  float acc[MR][kGroupRows] = {};
+  for (int64_t b = 0; b < B; ++b) {  // each output still sums its blocks in order
+    alignas(64) float D[2][16], M[2][16];
+    block_scales<Fmt>(sc, b, D, M);
+    const uint8_t* q = qs + b * qs_bytes(Fmt);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = m0 + r, i = row * B + b;
+      const int8_t* x = xr.q.data() + row * K + b * kBlock;
+      for (int j = 0; j < kGroupRows; ++j) {
+        float& a = acc[r][j];
         int32_t p[2] = {0, 0};
         for (int k = 0; k < kBlock; ++k) p[k / 16] += stored_at<Fmt>(q, j, k) * x[k];
         if constexpr (split_halves(Fmt)) {
           for (int h = 0; h < 2; ++h)
-            acc = std::fma(static_cast<float>(p[h] - offset_of(Fmt) * xr.sum16[2 * i + h]),
-                           D[h][j] * xr.scale[i], acc);
+            a = std::fma(static_cast<float>(p[h] - offset_of(Fmt) * xr.sum16[2 * i + h]),
+                         D[h][j] * xr.scale[i], a);
           continue;
         }
         const int32_t pb = p[0] + p[1] - offset_of(Fmt) * xr.sum[i];
-        acc = std::fma(static_cast<float>(pb), D[0][j] * xr.scale[i], acc);
-        if constexpr (has_min(Fmt)) acc = std::fma(M[0][j], xr.msum[i], acc);
+        a = std::fma(static_cast<float>(pb), D[0][j] * xr.scale[i], a);
+        if constexpr (has_min(Fmt)) a = std::fma(M[0][j], xr.msum[i], a);
       }
-      out[r * kGroupRows + j] = acc;
     }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < kGroupRows; ++j) out[r * kGroupRows + j] = acc[r][j];
 }
 
 typedef float v16f __attribute__((vector_size(64)));
