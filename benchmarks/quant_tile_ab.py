@@ -1,0 +1,133 @@
+"""A quantized tile at two revisions, side by side in one process.
+
+Builds ``kernels/csrc/quant_tiles.h`` as it was at ``--base`` (a git revision) and as it is
+in the working tree into one small program, each copy in its own namespace, and times
+their widening tile (one thread, one activation row) on the same random K-quant matrix,
+alternating A B A B; prints the best time of each, the ratio, and whether the two
+outputs are bit for bit equal. ``--march`` builds for another instruction set than this
+machine's (``haswell``: the AVX2 forms, which this machine runs too).
+
+On a shared machine two builds timed in two processes moved 2x between runs; timed in
+one process, pair by pair, the ratio holds.
+
+    .venv/bin/python benchmarks/quant_tile_ab.py --base HEAD~1 --march haswell native
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.machine import machine_facts  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CSRC = REPO / "kernels/csrc"
+
+TRANSLATION_UNIT = """#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#define folio folio_{v}
+#include "tiles_{v}.h"
+extern "C" void widen_{v}(int q6, const uint8_t* qs, const uint8_t* sc, long B, long groups,
+                          const float* x, const float* xsum, float* out) {{
+  using namespace folio_{v}::quant;
+  const long qsz = B * qs_bytes(q6 ? kQ6_K : kQ4_K);
+  const long ssz = B / kSuperBlocks * k_scale_bytes(q6 ? kQ6_K : kQ4_K);
+  for (long g = 0; g < groups; ++g) {{
+    if (q6) tile_widen<kQ6_K, 1>(qs + g * qsz, sc + g * ssz, B, x, B * 32, xsum, 0, out + 16 * g);
+    else tile_widen<kQ4_K, 1>(qs + g * qsz, sc + g * ssz, B, x, B * 32, xsum, 0, out + 16 * g);
+  }}
+}}
+"""
+
+MAIN = r"""#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+extern "C" void widen_a(int, const uint8_t*, const uint8_t*, long, long, const float*, const float*, float*);
+extern "C" void widen_b(int, const uint8_t*, const uint8_t*, long, long, const float*, const float*, float*);
+int main(int argc, char** argv) {
+  const long N = atol(argv[1]), K = atol(argv[2]), reps = atol(argv[3]);
+  const long B = K / 32, groups = N / 16;
+  std::mt19937 rng(1);
+  for (int q6 = 0; q6 < 2; ++q6) {
+    const long qsz = B * (q6 ? 384 : 256), ssz = B / 8 * (q6 ? 288 : 320);
+    std::vector<uint8_t> qs(groups * qsz), sc(groups * ssz);
+    for (auto& b : qs) b = rng();
+    for (auto& b : sc) b = rng() & 0x3f;  // fp16 halves stay small and finite
+    std::vector<float> x(K), xsum(2 * B, 0.5f), out_a(N), out_b(N);
+    for (auto& v : x) v = (rng() % 1000) / 500.f - 1.f;
+    double best[2] = {1e9, 1e9};
+    for (long rep = 0; rep < reps; ++rep)
+      for (int w = 0; w < 2; ++w) {
+        const auto t = std::chrono::steady_clock::now();
+        (w ? widen_b : widen_a)(q6, qs.data(), sc.data(), B, groups, x.data(), xsum.data(),
+                                w ? out_b.data() : out_a.data());
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+        if (s < best[w]) best[w] = s;
+      }
+    printf("{\"format\": \"%s\", \"base_ms\": %.4f, \"tree_ms\": %.4f, \"identical\": %s}\n",
+           q6 ? "q6_k" : "q4_k", best[0] * 1e3, best[1] * 1e3,
+           std::memcmp(out_a.data(), out_b.data(), N * 4) == 0 ? "true" : "false");
+  }
+}
+"""
+
+
+def build(base: str, march: str, folder: Path) -> Path:
+    """The A/B program for one ``-march``: tiles at ``base`` as A, the tree's as B."""
+    import torch
+    import torch.utils.cpp_extension as ext
+    header = subprocess.run(["git", "show", f"{base}:kernels/csrc/quant_tiles.h"], cwd=REPO,
+                            check=True, capture_output=True, text=True).stdout
+    (folder / "tiles_a.h").write_text(header.replace('"quant_pack.h"', f'"{CSRC}/quant_pack.h"'))
+    (folder / "tiles_b.h").write_text((CSRC / "quant_tiles.h").read_text().replace(
+        '"quant_pack.h"', f'"{CSRC}/quant_pack.h"'))
+    for v in "ab":
+        (folder / f"tu_{v}.cpp").write_text(TRANSLATION_UNIT.format(v=v))
+    (folder / "main.cpp").write_text(MAIN)
+    lib = Path(torch.__file__).parent / "lib"
+    program = folder / f"ab_{march}"
+    subprocess.run(["g++", "-O3", f"-march={march}", "-fopenmp", "-w",
+                    *(f"-I{p}" for p in ext.include_paths()), f"-I{folder}",
+                    "-o", str(program), *(str(folder / f) for f in ("tu_a.cpp", "tu_b.cpp",
+                                                                     "main.cpp")),
+                    f"-L{lib}", "-lc10", f"-Wl,-rpath,{lib}"], check=True)
+    return program
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", required=True, help="git revision of the A side")
+    ap.add_argument("--march", nargs="+", default=["native"])
+    ap.add_argument("--n", type=int, default=5632, help="weight rows (a multiple of 16)")
+    ap.add_argument("--k", type=int, default=2048, help="inputs (a multiple of 256)")
+    ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    report = {"machine": machine_facts(), "base": args.base, "n": args.n, "k": args.k,
+              "results": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for march in args.march:
+            program = build(args.base, march, Path(tmp))
+            out = subprocess.run([str(program), str(args.n), str(args.k), str(args.reps)],
+                                 check=True, capture_output=True, text=True).stdout
+            rows = [json.loads(line) for line in out.splitlines()]
+            report["results"][march] = rows
+            for row in rows:
+                print(f"-march={march} {row['format']} widening tile, 1 thread: "
+                      f"{args.base} {row['base_ms']:.3f} ms, tree {row['tree_ms']:.3f} ms "
+                      f"({row['base_ms'] / row['tree_ms']:.2f}x), outputs bit for bit equal: "
+                      f"{row['identical']}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
