@@ -370,26 +370,44 @@ inline void tile_widen(const uint8_t* qs, const uint8_t* sc, int64_t B, const fl
       v16f part[MR][P];
       for (int r = 0; r < MR; ++r)
         for (int i = 0; i < P; ++i) part[r][i] = v16f{};
-      for (int c = h * chunks / H; c < (h + 1) * chunks / H; ++c) {
-        v16u v, bytes[2];
-        std::memcpy(&v, q + 64 * c, sizeof v);
+      // one chunk's 8 (Q4) or 4 (Q8) k; Q6_K's chunk c takes fields f, f + 1 of its plane
+      const auto chunk = [&](int c, const v16u& v, const v16u& top, int f) {
+        v16u bytes[2];
         if constexpr (Fmt == kQ6_K) {
           // whole 6-bit values per byte, four k a lane, as the integer routes build them:
-          // k = 8c + t = 16(c/2) + 4f + t%4, so field f = 2(c%2) + t/4 of the plane
-          v16u top;
-          std::memcpy(&top, q + 256 + 64 * (c / 2), sizeof top);
-          const int f = 2 * (c % 2);
+          // k = 8c + t = 16(c/2) + 4f + t%4, so field f + t/4 of the plane
           bytes[0] = (v & 0x0F0F0F0Fu) | (((top >> (2 * f)) & 0x03030303u) << 4);
           bytes[1] = ((v >> 4) & 0x0F0F0F0Fu) | (((top >> (2 * f + 2)) & 0x03030303u) << 4);
         }
 #pragma GCC unroll 8
         for (int t = 0; t < per_chunk; ++t) {
-          const int shift = is_q4(Fmt) ? 8 * (t % 4) + 4 * (t / 4) : 8 * t;
           v16u u;
-          if constexpr (Fmt == kQ6_K) u = (bytes[t / 4] >> (8 * (t % 4))) & 255u;
-          else u = (v >> shift) & (is_q4(Fmt) ? 15u : 255u);
+          if constexpr (Fmt == kQ6_K) {
+            u = (bytes[t / 4] >> (8 * (t % 4))) & 255u;
+          } else {
+            u = (v >> (is_q4(Fmt) ? 8 * (t % 4) + 4 * (t / 4) : 8 * t)) &
+                (is_q4(Fmt) ? 15u : 255u);
+          }
           const v16f wk = __builtin_convertvector(__builtin_convertvector(u, v16i), v16f);
           for (int r = 0; r < MR; ++r) part[r][t % P] += wk * xb[r * ldx + per_chunk * c + t];
+        }
+      };
+      for (int c = h * chunks / H; c < (h + 1) * chunks / H; ++c) {
+        v16u v, top{};
+        std::memcpy(&v, q + 64 * c, sizeof v);
+        if constexpr (Fmt == kQ6_K) {
+          static_assert(chunks / H % 2 == 0, "a half block's chunks come in pairs");
+          // chunks pair up on one 64-byte slice of the plane; literal field numbers keep
+          // every shift a constant (a count that varied with c went through general
+          // registers on AVX2)
+          std::memcpy(&top, q + 256 + 64 * (c / 2), sizeof top);
+          v16u next;
+          std::memcpy(&next, q + 64 * (c + 1), sizeof next);
+          chunk(c, v, top, 0);
+          chunk(c + 1, next, top, 2);
+          ++c;
+        } else {
+          chunk(c, v, top, 0);
         }
       }
       for (int r = 0; r < MR; ++r) {
