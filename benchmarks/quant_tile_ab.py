@@ -31,11 +31,17 @@ TRANSLATION_UNIT = """#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #define folio folio_{v}
 #include "tiles_{v}.h"
+// bytes of one group's quants and scales for B blocks, as this revision packs them
+extern "C" void layout_{v}(int q6, long B, long* qsz, long* ssz) {{
+  using namespace folio_{v}::quant;
+  *qsz = B * qs_bytes(q6 ? kQ6_K : kQ4_K);
+  *ssz = B / kSuperBlocks * k_scale_bytes(q6 ? kQ6_K : kQ4_K);
+}}
 extern "C" void widen_{v}(int q6, const uint8_t* qs, const uint8_t* sc, long B, long groups,
                           const float* x, const float* xsum, float* out) {{
   using namespace folio_{v}::quant;
-  const long qsz = B * qs_bytes(q6 ? kQ6_K : kQ4_K);
-  const long ssz = B / kSuperBlocks * k_scale_bytes(q6 ? kQ6_K : kQ4_K);
+  long qsz, ssz;
+  layout_{v}(q6, B, &qsz, &ssz);
   for (long g = 0; g < groups; ++g) {{
     if (q6) tile_widen<kQ6_K, 1>(qs + g * qsz, sc + g * ssz, B, x, B * 32, xsum, 0, out + 16 * g);
     else tile_widen<kQ4_K, 1>(qs + g * qsz, sc + g * ssz, B, x, B * 32, xsum, 0, out + 16 * g);
@@ -51,12 +57,20 @@ MAIN = r"""#include <chrono>
 #include <vector>
 extern "C" void widen_a(int, const uint8_t*, const uint8_t*, long, long, const float*, const float*, float*);
 extern "C" void widen_b(int, const uint8_t*, const uint8_t*, long, long, const float*, const float*, float*);
+extern "C" void layout_a(int, long, long*, long*);
+extern "C" void layout_b(int, long, long*, long*);
 int main(int argc, char** argv) {
   const long N = atol(argv[1]), K = atol(argv[2]), reps = atol(argv[3]);
   const long B = K / 32, groups = N / 16;
   std::mt19937 rng(1);
   for (int q6 = 0; q6 < 2; ++q6) {
-    const long qsz = B * (q6 ? 384 : 256), ssz = B / 8 * (q6 ? 288 : 320);
+    long qsz, ssz, qsz_b, ssz_b;
+    layout_a(q6, B, &qsz, &ssz);
+    layout_b(q6, B, &qsz_b, &ssz_b);
+    if (qsz != qsz_b || ssz != ssz_b) {
+      fprintf(stderr, "the two revisions pack the weights differently: no common input\n");
+      return 1;
+    }
     std::vector<uint8_t> qs(groups * qsz), sc(groups * ssz);
     for (auto& b : qs) b = rng();
     for (auto& b : sc) b = rng() & 0x3f;  // fp16 halves stay small and finite
