@@ -2,7 +2,8 @@
 
 Builds ``kernels/csrc/quant_tiles.h`` as it was at ``--base`` (a git revision) and as it is
 in the working tree into one small program, each copy in its own namespace, and times
-their widening tile (one thread, one activation row) on the same random K-quant matrix,
+their widening tile (one thread, one activation row) on the same random matrix in each
+GGUF format,
 alternating A B A B; prints the best time of each, the ratio, and whether the two
 outputs are bit for bit equal. ``--march`` builds for another instruction set than this
 machine's (``haswell``: the AVX2 forms, which this machine runs too).
@@ -32,20 +33,28 @@ TRANSLATION_UNIT = """#include <ATen/Parallel.h>
 #define folio folio_{v}
 #include "tiles_{v}.h"
 // bytes of one group's quants and scales for B blocks, as this revision packs them
-extern "C" void layout_{v}(int q6, long B, long* qsz, long* ssz) {{
+extern "C" void layout_{v}(long fmt, long B, long* qsz, long* ssz) {{
   using namespace folio_{v}::quant;
-  *qsz = B * qs_bytes(q6 ? kQ6_K : kQ4_K);
-  *ssz = B / kSuperBlocks * k_scale_bytes(q6 ? kQ6_K : kQ4_K);
+  *qsz = B * qs_bytes(fmt);
+  *ssz = group_scale_bytes(fmt, B);
 }}
-extern "C" void widen_{v}(int q6, const uint8_t* qs, const uint8_t* sc, long B, long groups,
-                          const float* x, const float* xsum, float* out) {{
+template <int64_t Fmt>
+void widen(const uint8_t* qs, const uint8_t* sc, long B, long groups, const float* x,
+           const float* xsum, float* out) {{
   using namespace folio_{v}::quant;
   long qsz, ssz;
-  layout_{v}(q6, B, &qsz, &ssz);
-  for (long g = 0; g < groups; ++g) {{
-    if (q6) tile_widen<kQ6_K, 1>(qs + g * qsz, sc + g * ssz, B, x, B * 32, xsum, 0, out + 16 * g);
-    else tile_widen<kQ4_K, 1>(qs + g * qsz, sc + g * ssz, B, x, B * 32, xsum, 0, out + 16 * g);
-  }}
+  layout_{v}(Fmt, B, &qsz, &ssz);
+  for (long g = 0; g < groups; ++g)
+    tile_widen<Fmt, 1>(qs + g * qsz, sc + g * ssz, B, x, B * 32, xsum, 0, out + 16 * g);
+}}
+extern "C" void widen_{v}(long fmt, const uint8_t* qs, const uint8_t* sc, long B, long groups,
+                          const float* x, const float* xsum, float* out) {{
+  using namespace folio_{v}::quant;
+  if (fmt == kQ4_K) widen<kQ4_K>(qs, sc, B, groups, x, xsum, out);
+  else if (fmt == kQ6_K) widen<kQ6_K>(qs, sc, B, groups, x, xsum, out);
+  else if (fmt == kQ4_1) widen<kQ4_1>(qs, sc, B, groups, x, xsum, out);
+  else if (fmt == kQ4_0) widen<kQ4_0>(qs, sc, B, groups, x, xsum, out);
+  else widen<kQ8_0>(qs, sc, B, groups, x, xsum, out);
 }}
 """
 
@@ -55,18 +64,21 @@ MAIN = r"""#include <chrono>
 #include <cstring>
 #include <random>
 #include <vector>
-extern "C" void widen_a(int, const uint8_t*, const uint8_t*, long, long, const float*, const float*, float*);
-extern "C" void widen_b(int, const uint8_t*, const uint8_t*, long, long, const float*, const float*, float*);
-extern "C" void layout_a(int, long, long*, long*);
-extern "C" void layout_b(int, long, long*, long*);
+extern "C" void widen_a(long, const uint8_t*, const uint8_t*, long, long, const float*, const float*, float*);
+extern "C" void widen_b(long, const uint8_t*, const uint8_t*, long, long, const float*, const float*, float*);
+extern "C" void layout_a(long, long, long*, long*);
+extern "C" void layout_b(long, long, long*, long*);
 int main(int argc, char** argv) {
   const long N = atol(argv[1]), K = atol(argv[2]), reps = atol(argv[3]);
   const long B = K / 32, groups = N / 16;
   std::mt19937 rng(1);
-  for (int q6 = 0; q6 < 2; ++q6) {
+  const long formats[] = {12, 14, 3, 2, 8};  // ggml ids: Q4_K, Q6_K, Q4_1, Q4_0, Q8_0
+  const char* names[] = {"q4_k", "q6_k", "q4_1", "q4_0", "q8_0"};
+  for (int f = 0; f < 5; ++f) {
+    const long fmt = formats[f];
     long qsz, ssz, qsz_b, ssz_b;
-    layout_a(q6, B, &qsz, &ssz);
-    layout_b(q6, B, &qsz_b, &ssz_b);
+    layout_a(fmt, B, &qsz, &ssz);
+    layout_b(fmt, B, &qsz_b, &ssz_b);
     if (qsz != qsz_b || ssz != ssz_b) {
       fprintf(stderr, "the two revisions pack the weights differently: no common input\n");
       return 1;
@@ -80,13 +92,13 @@ int main(int argc, char** argv) {
     for (long rep = 0; rep < reps; ++rep)
       for (int w = 0; w < 2; ++w) {
         const auto t = std::chrono::steady_clock::now();
-        (w ? widen_b : widen_a)(q6, qs.data(), sc.data(), B, groups, x.data(), xsum.data(),
+        (w ? widen_b : widen_a)(fmt, qs.data(), sc.data(), B, groups, x.data(), xsum.data(),
                                 w ? out_b.data() : out_a.data());
         const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
         if (s < best[w]) best[w] = s;
       }
     printf("{\"format\": \"%s\", \"base_ms\": %.4f, \"tree_ms\": %.4f, \"identical\": %s}\n",
-           q6 ? "q6_k" : "q4_k", best[0] * 1e3, best[1] * 1e3,
+           names[f], best[0] * 1e3, best[1] * 1e3,
            std::memcmp(out_a.data(), out_b.data(), N * 4) == 0 ? "true" : "false");
   }
 }
