@@ -348,14 +348,16 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 // by reading the weights, so each row sums its block in P independent partial sums
 // (about 8 chains in all: two FMA ports, four cycles each).
 //
-// With AVX-512 a 4-bit (or Q6_K's 6-bit) value is not shifted down before it is
-// widened: `v & (mask << s)` is u * 2^s, which vcvtudq2ps widens exactly (at most 6
-// significant bits), and its activation is taken times 2^-s instead (per block, in
-// `xs`). Both scalings are exact, so every product is the same float as u * x, bit for
-// bit (unless |x| < 2^-98, where x * 2^-s would lose bits): one instruction less per k
-// of 16 rows, 1.3x faster for Q4_K/Q4_1/Q4_0 and 1.1x for Q6_K (benchmarks/
-// quant_tile_ab.py). Q8_0 measured no faster (its shifts were fewer). AVX2 has no
-// unsigned widening; it shifts.
+// A 4-bit (or Q6_K's 6-bit) value is not shifted down before it is widened: `v & (mask
+// << s)` is u * 2^s, which converts to float exactly (at most 6 significant bits), and
+// its activation is taken times 2^-s instead (per block, in `xs`). Both scalings are
+// exact, so every product is the same float as u * x, bit for bit (unless |x| < 2^-98,
+// where x * 2^-s would lose bits): one instruction less per k of 16 rows. Only a Q4
+// lane's top nibble is still shifted without AVX-512 (`v >> 28`, no mask): AVX2 has
+// no unsigned conversion, and so every value it converts stays positive as a signed
+// int32. Measured (benchmarks/quant_tile_ab.py, one thread): with AVX-512 1.3x faster
+// for Q4_K/Q4_1/Q4_0 and 1.1x for Q6_K; with AVX2 1.15x for Q4_1/Q4_0, 1.08x for Q4_K.
+// Q8_0 measured no faster (its shifts were fewer) and still shifts.
 // x is float32 [rows][ldx].
 template <int64_t Fmt, int MR>
 inline void tile_widen(const uint8_t* qs, const uint8_t* sc, int64_t B, const float* x,
@@ -364,18 +366,22 @@ inline void tile_widen(const uint8_t* qs, const uint8_t* sc, int64_t B, const fl
   constexpr int per_chunk = is_q4(Fmt) ? 8 : 4;
   constexpr int chunks = kBlock / per_chunk;
   constexpr int H = split_halves(Fmt) ? 2 : 1;  // parts of a block under one scale
-#if defined(__AVX512F__)
   constexpr bool kInPlace = is_q4(Fmt);  // values widened where they sit (see above)
-#else
-  constexpr bool kInPlace = false;
-#endif
   // where k's value sits in its 32-bit lane: byte k % 4 (Q4: the high nibble of k % 8 >= 4)
   constexpr auto bit_of = [](int k) {
     return is_q4(Fmt) && Fmt != kQ6_K ? 8 * (k % 4) + 4 * ((k % 8) / 4) : 8 * (k % 4);
   };
-  // 2^-bit_of(k) for the 32 k of a block (ldexp is not constexpr)
+#if defined(__AVX512F__)
+  constexpr int kTop = -1;  // none: vcvtudq2ps takes the top nibble where it sits
+#else
+  constexpr int kTop = 28;  // a Q4 lane's top nibble, shifted down (a sign bit otherwise)
+#endif
+  constexpr auto place_of = [bit_of](int k) {  // the power of two k's value is widened at
+    return bit_of(k) == kTop ? 0 : bit_of(k);
+  };
+  // 2^-place_of(k) for the 32 k of a block (ldexp is not constexpr)
   alignas(64) float unshift[kBlock];
-  for (int k = 0; k < kBlock; ++k) unshift[k] = 1.f / static_cast<float>(1u << bit_of(k));
+  for (int k = 0; k < kBlock; ++k) unshift[k] = 1.f / static_cast<float>(1u << place_of(k));
   alignas(64) float xs[MR][kBlock];
   v16f acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = v16f{};
@@ -415,7 +421,10 @@ inline void tile_widen(const uint8_t* qs, const uint8_t* sc, int64_t B, const fl
           const v16u lane = Fmt == kQ6_K ? bytes[t / 4] : v;
           const uint32_t mask = is_q4(Fmt) && Fmt != kQ6_K ? 15u : 255u;
           if constexpr (kInPlace) {
-            const v16f wk = __builtin_convertvector(lane & (mask << bit_of(t)), v16f);
+            const v16u field = bit_of(t) == kTop ? lane >> kTop : lane & (mask << bit_of(t));
+            v16f wk;
+            if constexpr (kTop < 0) wk = __builtin_convertvector(field, v16f);
+            else wk = __builtin_convertvector(__builtin_convertvector(field, v16i), v16f);
             for (int r = 0; r < MR; ++r) part[r][t % P] += wk * xsp[r * kBlock + k];
           } else {
             const v16u u = (lane >> bit_of(t)) & mask;
