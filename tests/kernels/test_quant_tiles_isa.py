@@ -1,0 +1,125 @@
+"""The widening tile (kernels/csrc/quant_tiles.h) built for other instruction sets than
+this machine's, against a float64 reference of the same weights.
+
+The extension is built with ``-march=native``, so on an AVX-512 machine (CI's) its
+tests never run the AVX2 or the plain-vector forms of ``tile_widen``, which differ in
+how they widen (AVX2 has no unsigned conversion). Here each form is compiled into a
+small program (``-march=haswell``: AVX2, FMA, F16C; ``-march=x86-64-v2``: SSE4.2, no
+F16C), which runs every format at 1, 3 and 8 activation rows and reports the worst
+error against ``sum_k (D (u - offset) + M) x_k`` in float64, from the header's own
+``stored_at`` and ``block_scales``, relative to ``sum_k |w_k x_k|``. The tile sums in
+float32, so that error stays within a few hundred ulps of float32; a wrong shift, mask
+or scale moves it to order one.
+"""
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kernels import cpu_extension
+
+CSRC = Path(__file__).resolve().parents[2] / "kernels/csrc"
+
+if os.environ.get(cpu_extension.DISABLE_ENV, "").strip().lower() not in ("", "0", "false", "no"):
+    pytest.skip(f"{cpu_extension.DISABLE_ENV} is set", allow_module_level=True)
+if shutil.which("g++") is None:
+    pytest.skip("no g++", allow_module_level=True)
+
+PROGRAM = r"""#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+#include "quant_tiles.h"
+using namespace folio::quant;
+
+template <int64_t Fmt, int MR>
+double worst(std::mt19937& rng) {
+  const int64_t N = 64, B = 16, K = B * kBlock, groups = N / kGroupRows;
+  const int64_t qsz = B * qs_bytes(Fmt), ssz = group_scale_bytes(Fmt, B);
+  std::vector<uint8_t> qs(groups * qsz), sc(groups * ssz);
+  for (auto& b : qs) b = rng();
+  for (auto& b : sc) b = rng();
+  if (is_k(Fmt)) {  // d (and dmin): fp16 in [2^-8, 2^-7); the 6- or 8-bit integers as drawn
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t s = 0; s < B / kSuperBlocks; ++s) {
+        uint8_t* rec = sc.data() + g * ssz + s * k_scale_bytes(Fmt);
+        for (int i = 0; i < (Fmt == kQ4_K ? 32 : 16); ++i)
+          reinterpret_cast<c10::Half*>(rec)[i] = c10::Half(std::ldexp(1.0f + (rng() % 64) / 64.f, -8));
+        if (Fmt == kQ4_K)
+          for (int i = 64; i < 320; ++i) rec[i] &= 63;
+      }
+  } else {
+    c10::Half* h = reinterpret_cast<c10::Half*>(sc.data());
+    for (size_t i = 0; i < sc.size() / 2; ++i)
+      h[i] = c10::Half(((rng() % 2000) / 1000.f - 1.f) / 64.f);
+  }
+  const int H = split_halves(Fmt) ? 2 : 1;
+  std::vector<float> x(MR * K), xsum(MR * B * H, 0.f), out(MR * kGroupRows);
+  for (auto& v : x) v = (rng() % 20001) / 10000.f - 1.f;
+  for (int r = 0; r < MR; ++r)
+    for (int64_t i = 0; i < K; ++i) xsum[(r * B + i / kBlock) * H + (i % kBlock) / (kBlock / H)] += x[r * K + i];
+  double err = 0.0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* q = qs.data() + g * qsz;
+    const uint8_t* s = sc.data() + g * ssz;
+    tile_widen<Fmt, MR>(q, s, B, x.data(), K, xsum.data(), 0, out.data());
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < kGroupRows; ++j) {
+        double want = 0.0, mag = 0.0;
+        for (int64_t b = 0; b < B; ++b) {
+          alignas(64) float D[2][16], M[2][16];
+          block_scales<Fmt>(s, b, D, M);
+          for (int k = 0; k < kBlock; ++k) {
+            const int h = split_halves(Fmt) ? k / 16 : 0;
+            const double w = double(D[h][j]) * (stored_at<Fmt>(q + b * qs_bytes(Fmt), j, k) - offset_of(Fmt)) +
+                             (has_min(Fmt) ? double(M[0][j]) : 0.0);
+            want += w * x[r * K + b * kBlock + k];
+            mag += std::fabs(w * x[r * K + b * kBlock + k]);
+          }
+        }
+        err = std::fmax(err, std::fabs(out[r * kGroupRows + j] - want) / mag);
+      }
+  }
+  return err;
+}
+
+template <int64_t Fmt>
+void report(const char* name, std::mt19937& rng) {
+  printf("%s %.3e %.3e %.3e\n", name, worst<Fmt, 1>(rng), worst<Fmt, 3>(rng), worst<Fmt, 8>(rng));
+}
+
+int main() {
+  std::mt19937 rng(7);
+  report<kQ4_0>("q4_0", rng);
+  report<kQ4_1>("q4_1", rng);
+  report<kQ8_0>("q8_0", rng);
+  report<kQ4_K>("q4_k", rng);
+  report<kQ6_K>("q6_k", rng);
+}
+"""
+
+
+@pytest.mark.parametrize("march", ["haswell", "x86-64-v2"])
+def test_widening_tile_on_other_isas(march, tmp_path):
+    import torch.utils.cpp_extension as ext
+    import torch
+    source = tmp_path / "tiles.cpp"
+    source.write_text(PROGRAM)
+    program = tmp_path / "tiles"
+    lib = Path(torch.__file__).parent / "lib"
+    subprocess.run(["g++", "-O2", f"-march={march}", "-std=c++17", "-w",
+                    *(f"-I{p}" for p in ext.include_paths()), f"-I{CSRC}",
+                    "-o", str(program), str(source), f"-L{lib}", "-lc10",
+                    f"-Wl,-rpath,{lib}"], check=True)
+    lines = subprocess.run([str(program)], check=True, capture_output=True,
+                           text=True).stdout.split("\n")
+    errors = {parts[0]: [float(v) for v in parts[1:]] for parts in map(str.split, lines)
+              if parts}
+    assert set(errors) == {"q4_0", "q4_1", "q8_0", "q4_k", "q6_k"}
+    for fmt, worst in errors.items():
+        # float32 sums of 512 terms: a few hundred ulps (1.2e-7 each) at most
+        assert max(worst) < 3e-5, (march, fmt, worst)
