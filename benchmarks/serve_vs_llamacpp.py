@@ -6,8 +6,11 @@ flags and the load average are recorded with the result.
 
 Precision: llama.cpp computes on the file's blocks; Folio too with ``--quantization
 auto`` (the default: the GGUF stays quantized), or on dequantised floats with ``none``.
-The report says which. Both are told to ignore EOS (``ignore_eos`` and a -100 logit
-bias on the end tokens) so both generate exactly the requested lengths.
+``--linear-backend int8`` quantizes Folio's activations per block of 32 for the
+products (llama.cpp multiplies Q4_1 by Q8_1 activations the same way); the default
+(``auto``) keeps them in float. The report says which. Both are told to ignore EOS
+(``ignore_eos`` and a -100 logit bias on the end tokens) so both generate exactly the
+requested lengths.
 
 The native binaries come from benchmarks/llamacpp.py (built from the llama-cpp-python
 sdist's vendored source into the git-ignored ``.llamacpp/``; ``--build-llamacpp`` builds
@@ -111,7 +114,8 @@ def run_both(runs: dict, args) -> dict:
     results, command = {}, None
     folio_settings = {"model": {"max_model_len": 2048, "dtype": args.dtype,
                                 "quantization": args.quantization},
-                      "worker": {"num_threads": args.threads},
+                      "worker": {"num_threads": args.threads,
+                                 "linear_backend": args.linear_backend},
                       "observability": {"log_level": "warning"}}
     servers = (("folio", None), ("llama.cpp", eos_bias))
     for server, extra in servers:
@@ -161,6 +165,10 @@ def main() -> int:
                    help="Folio's model.dtype (auto: float32 on CPUs without bf16)")
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf"],
                    help="Folio's model.quantization (auto: the GGUF stays quantized)")
+    p.add_argument("--linear-backend", default="auto",
+                   choices=["auto", "native", "kernel", "widen", "int8"],
+                   help="Folio's worker.linear_backend (int8: activations quantized per "
+                        "block of 32, as llama.cpp's own Q4_1 x Q8_1 products)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if args.build_llamacpp:
@@ -186,6 +194,8 @@ def main() -> int:
     dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
     folio_weights = (f"{dtype} (dequantised Q4_1)" if args.quantization == "none"
                      else f"the GGUF's Q4_1/Q8_0 blocks, {dtype} activations")
+    if args.linear_backend == "int8":
+        folio_weights += ", quantized to int8 per block of 32 for the products"
     failed = {s: results[f"{s} {crowd}"]["failed"] for s in ("folio", "llama.cpp")}
     print(f"1 client: decode {single['folio']:.1f} tok/s (Folio, {folio_weights}) vs "
           f"{single['llama.cpp']:.1f} tok/s (llama.cpp {args.llamacpp}, Q4_1); "
