@@ -133,7 +133,7 @@ class CacheConfig:
 
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-LINEAR_BACKENDS = ("auto", "native", "kernel", "widen", "int8")
+LINEAR_BACKENDS = ("auto", "native", "kernel", "widen", "int8", "bf16dot")
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,8 +155,9 @@ class WorkerConfig:
                                "weights stay row-major where the native kernel reads them")
     linear_backend: str = _f("auto", "CPU linear layers: auto times every exact path "
                              "on the model's shapes at load and keeps the fastest per "
-                             "shape and row count (cached per CPU); native|kernel|widen "
-                             "force one where it applies; int8 (quantized weights only: "
+                             "shape and row count (cached per CPU); native|kernel|widen|"
+                             "bf16dot force one where it applies (bf16dot: 4-bit quantized "
+                             "weights, bf16 activations, AVX512-BF16); int8 (quantized weights only: "
                              "activations quantized per block of 32, faster from a few "
                              "rows on, less accurate; auto never picks it) forces the "
                              "quantized kernels' integer route (see "

@@ -16,7 +16,10 @@ block of 32 to int8 (scale ``max|x| / 127``, round half to even) and multiply in
 integers, as llama.cpp does; :func:`reference` emulates that exactly in float64, so the
 kernel differs from it only by float32 rounding. ``WIDEN`` keeps x in float32 and
 widens the weights in registers. Their difference from the dequantised product
-``x @ dequantize(W).T`` is bounded by :func:`activation_rounding_bound`.
+``x @ dequantize(W).T`` is bounded by :func:`activation_rounding_bound`. ``BF16DOT``
+(AVX512-BF16 CPUs) multiplies bf16 activations by 4-bit weights turned into bf16 pairs
+with ``vdpbf16ps``: products exact in float32, like ``WIDEN``, which it falls back to
+for other activations and formats.
 """
 from __future__ import annotations
 
@@ -41,9 +44,10 @@ _OFFSET = {Q4_0: 8, Q4_1: 0, Q8_0: 128, Q4_K: 0, Q6_K: 32}  # stored u = q + off
 #   Q6_K: d fp16[16] | sc i8[8 blocks][2 halves][16]
 _K_SCALE_BYTES = {Q4_K: 320, Q6_K: 288}
 
-BEST_INT8, VNNI512, AVX2, SCALAR, WIDEN = 0, 1, 2, 3, 4
+BEST_INT8, VNNI512, AVX2, SCALAR, WIDEN, BF16DOT = 0, 1, 2, 3, 4, 5
 ROUTES = {"int8": BEST_INT8, "int8_vnni512": VNNI512, "int8_avx2": AVX2,
-          "int8_scalar": SCALAR, "widen": WIDEN}
+          "int8_scalar": SCALAR, "widen": WIDEN, "bf16dot": BF16DOT}
+EXACT_ROUTES = frozenset({WIDEN, BF16DOT})  # x as given: float32 rounding only
 
 
 @dataclass(slots=True)
@@ -281,7 +285,7 @@ def reference(x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None = None
               route: int = BEST_INT8, w: torch.Tensor | None = None) -> torch.Tensor:
     """float64 ``x @ dequantize(p).T (+ bias)`` with x as the route sees it (``w``:
     ``dequantize(p)`` when the caller has it)."""
-    xs = x.float() if route == WIDEN else quantize_activations(x)
+    xs = x.float() if route in EXACT_ROUTES else quantize_activations(x)
     out = xs.double() @ (dequantize(p) if w is None else w).double().t()
     return out if bias is None else out + bias.double()
 

@@ -178,7 +178,7 @@ def _write_table(path: Path | None, entries: dict) -> None:
 
 def _measure(weights: list, dtype: torch.dtype, max_rows: int) -> list[str]:
     """The fastest path per bucket for one shape."""
-    options = candidates(weights[0], lossy=False)
+    options = candidates(weights[0], lossy=False, dtype=dtype)
     if len(options) == 1:
         return [options[0]] * len(ROW_BUCKETS)
     return fastest(time_paths(weights, options, dtype, max_rows))

@@ -5,6 +5,8 @@
 //   route 2  int8 dot products, AVX2 vpmaddubsw      (built on any AVX2 CPU)
 //   route 3  int8 dot products, plain C++            (always built)
 //   route 4  widening to float32 FMAs                (always built)
+//   route 5  bf16 pairs into `vdpbf16ps`              (built when -march=native has
+//            AVX512-BF16; 4-bit formats with bf16 activations, route 4 otherwise)
 //   route 0  the best int8 route built here (1, else 2, else 3)
 //
 // Work split: threads take groups of 16 weight rows; each group meets the activation
@@ -28,7 +30,9 @@ namespace {
 #define FOLIO_QUANT_MR 8
 #endif
 constexpr int kMR = FOLIO_QUANT_MR;  // activation rows per tile
-enum Route : int64_t { kBestInt8 = 0, kVnni512 = 1, kAvx2 = 2, kScalar = 3, kWiden = 4 };
+enum Route : int64_t {
+  kBestInt8 = 0, kVnni512 = 1, kAvx2 = 2, kScalar = 3, kWiden = 4, kBf16Dot = 5
+};
 
 std::vector<int64_t> built_routes() {
   std::vector<int64_t> routes;
@@ -40,6 +44,9 @@ std::vector<int64_t> built_routes() {
 #endif
   routes.push_back(kScalar);
   routes.push_back(kWiden);
+#ifdef FOLIO_QUANT_BF16DOT
+  routes.push_back(kBf16Dot);
+#endif
   return routes;
 }
 
@@ -50,8 +57,9 @@ struct Operands {
   int64_t B;                   // blocks per row
   const QuantizedRows* xr;     // int8 routes
   const float* xf;             // widening route: float32 x [M][K]
-  const float* xsum;           // widening route: x summed per block [M][B] (Q6_K: per
-                               // half block, [M][B][2])
+  const float* xsum;           // widening and bf16 routes: x summed per block [M][B]
+                               // (Q6_K: per half block, [M][B][2])
+  const uint32_t* xp;          // bf16 route: x's bf16 pairs in tile order [M][K / 2]
 };
 
 template <int64_t Fmt, int MR>
@@ -68,6 +76,12 @@ void tile(int64_t route, const Operands& o, int64_t g, int64_t m0, float* acc, b
     case kAvx2: return tile_avx2<Fmt, MR>(qs, sc, o.B, *o.xr, m0, acc);
 #endif
     case kWiden: return tile_widen<Fmt, MR>(qs, sc, o.B, o.xf, o.B * kBlock, o.xsum, m0, acc);
+#ifdef FOLIO_QUANT_BF16DOT
+    case kBf16Dot:
+      if constexpr (is_q4(Fmt) && Fmt != kQ6_K)
+        return tile_bf16dot<Fmt, MR>(qs, sc, o.B, o.xp, o.B * kBlock / 2, o.xsum, m0, acc);
+      return;  // never chosen for other formats (quant_linear)
+#endif
     default: return tile_scalar<Fmt, MR>(qs, sc, o.B, *o.xr, m0, acc);
   }
 }
@@ -180,6 +194,9 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
                         int64_t route) {
   check_operands(x_in, qs, scales, fmt, n, route);
   if (route == kBestInt8) route = built_routes().front();
+  // the bf16 route takes 4-bit formats and bf16 activations; the same product otherwise
+  if (route == kBf16Dot && (x_in.scalar_type() != at::kBFloat16 || fmt == kQ8_0 || fmt == kQ6_K))
+    route = kWiden;
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, n}, x.options());
@@ -191,8 +208,32 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
   }
   thread_local QuantizedRows xr;  // the caller's thread prepares x
   thread_local std::vector<float> xsum;
+  thread_local std::vector<uint32_t> xp;
   Operands o{qs.const_data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.const_data_ptr()),
-             qs.size(1), &xr, nullptr, nullptr};
+             qs.size(1), &xr, nullptr, nullptr, nullptr};
+  if (route == kBf16Dot) {
+    // per chunk of 8 k the pairs (0, 2), (1, 3), (4, 6), (5, 7), low half first
+    // (quant_tiles.h, tile_bf16dot); the block sums in float32, as the widening route's
+    const at::BFloat16* xb = x.const_data_ptr<at::BFloat16>();
+    const int64_t B = qs.size(1);
+    xp.resize(static_cast<size_t>(M * K / 2));
+    xsum.resize(static_cast<size_t>(M * B));
+    constexpr int kLow[4] = {0, 1, 4, 5};
+    for (int64_t m = 0; m < M; ++m) {
+      const at::BFloat16* row = xb + m * x.stride(0);
+      for (int64_t c = 0; c < K / 8; ++c)
+        for (int p = 0; p < 4; ++p)
+          xp[m * K / 2 + 4 * c + p] = row[8 * c + kLow[p]].x |
+                                      (static_cast<uint32_t>(row[8 * c + kLow[p] + 2].x) << 16);
+      for (int64_t b = 0; b < B; ++b) {
+        float s = 0.f;
+        for (int k = 0; k < kBlock; ++k) s += static_cast<float>(row[b * kBlock + k]);
+        xsum[m * B + b] = s;
+      }
+    }
+    o.xp = xp.data();
+    o.xsum = xsum.data();
+  }
   if (route == kWiden) {
     xf = x.to(at::kFloat).contiguous();
     o.xf = xf.const_data_ptr<float>();
@@ -207,7 +248,8 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
     o.xsum = xsum.data();
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear", [&] {
-    if (route != kWiden) quantize_rows(x.const_data_ptr<scalar_t>(), x.stride(0), M, K, xr);
+    if (route != kWiden && route != kBf16Dot)
+      quantize_rows(x.const_data_ptr<scalar_t>(), x.stride(0), M, K, xr);
     run_format(fmt, route, o, M, n, bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr,
                out.data_ptr<scalar_t>());
   });

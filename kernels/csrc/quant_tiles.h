@@ -8,6 +8,8 @@
 //     tile_scalar   plain C++, any CPU
 //   widening route (float32 activations, weights widened in registers):
 //     tile_widen    GCC vector extensions, 16 float lanes (zmm, 2 ymm or 4 xmm)
+//   bf16 route (bf16 activations, 4-bit weights as bf16 pairs, AVX512-BF16):
+//     tile_bf16dot  one `vdpbf16ps` per 2 k of 16 rows
 //
 // Per block the integer routes add  d * xd * (p - off * xs) [+ m * xd * xs]  to each
 // output (the identities in quant_pack.h; Q6_K per half block); the order of float
@@ -284,6 +286,64 @@ inline void tile_avx2(const uint8_t* qs, const uint8_t* sc, int64_t B,
                       const QuantizedRows& xr, int64_t m0, float* out) {
   tile_avx2_half<Fmt, MR>(qs, sc, B, xr, m0, 0, out);
   tile_avx2_half<Fmt, MR>(qs, sc, B, xr, m0, 1, out);
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define FOLIO_QUANT_BF16DOT 1
+
+// The bf16 route, for 4-bit formats (Q4_0, Q4_1, Q4_K) and bf16 activations: a 16-bit
+// lane holding a nibble u in its low bits, or-ed with 0x4300, is the bf16 of 128 + u
+// (exponent 2^7, the last of 7 mantissa bits worth 1), so one `vpternlogd` turns two
+// nibbles of a row into a bf16 pair and one `vdpbf16ps` multiplies 16 rows x 2 k into
+// float32. Products of two bf16 are exact in float32, as in the widening route; per
+// block the offset comes off with the activations' sum:
+//
+//   sum_k w_k x_k = D * (sum_k (128 + u_k) x_k - (128 + offset) * xs) + M * xs
+//
+// A Q4 chunk's lane j holds bytes t = 0..3 of row j (low nibble k = 8c + t, high nibble
+// 8c + 4 + t); the four pairs it gives, by shifting 0, 8, 4 and 12, are k (0, 2), (1, 3),
+// (4, 6), (5, 7) of the chunk (low half, high half), so the activations are taken as
+// bf16 pairs in that order (`xp` [rows][k / 2] 32-bit words, quant_linear.cpp). Against
+// the widening route: about half the vector instructions per weight.
+template <int64_t Fmt, int MR>
+inline void tile_bf16dot(const uint8_t* qs, const uint8_t* sc, int64_t B, const uint32_t* xp,
+                         int64_t ldxp, const float* xsum, int64_t m0, float* out) {
+  static_assert(is_q4(Fmt) && Fmt != kQ6_K, "nibble formats only");
+  const __m512i low = _mm512_set1_epi32(0x000F000F), magic = _mm512_set1_epi32(0x43004300);
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* q = qs + b * qs_bytes(Fmt);
+    const uint32_t* xb = xp + m0 * ldxp + b * (kBlock / 2);
+    __m512 part[MR][2];  // two chains a row
+    for (int r = 0; r < MR; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(q + 64 * c);
+      __m512i pair[4];
+      pair[0] = _mm512_ternarylogic_epi32(v, low, magic, 0xEA);  // (v & low) | magic
+      pair[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 8), low, magic, 0xEA);
+      pair[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 4), low, magic, 0xEA);
+      pair[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 12), low, magic, 0xEA);
+      for (int p = 0; p < 4; ++p)
+        for (int r = 0; r < MR; ++r)
+          part[r][p & 1] = _mm512_dpbf16_ps(
+              part[r][p & 1], (__m512bh)pair[p],
+              (__m512bh)_mm512_set1_epi32(static_cast<int>(xb[r * ldxp + 4 * c + p])));
+    }
+    alignas(64) float D[2][16], M[2][16];
+    block_scales<Fmt>(sc, b, D, M);
+    const __m512 d = _mm512_load_ps(D[0]);
+    const __m512 mn = has_min(Fmt) ? _mm512_load_ps(M[0]) : _mm512_setzero_ps();
+    for (int r = 0; r < MR; ++r) {
+      const float xs = xsum[(m0 + r) * B + b];
+      const __m512 sum = _mm512_sub_ps(_mm512_add_ps(part[r][0], part[r][1]),
+                                       _mm512_set1_ps((128.f + offset_of(Fmt)) * xs));
+      acc[r] = _mm512_fmadd_ps(sum, d, acc[r]);
+      if constexpr (has_min(Fmt)) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * kGroupRows, acc[r]);
 }
 #endif
 

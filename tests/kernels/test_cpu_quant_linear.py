@@ -125,7 +125,7 @@ def check_all_routes(ops, x, packed, bias=None, skip_scalar=False, weights=None)
     for route in ql.routes_available():
         if route == ql.SCALAR and skip_scalar:
             continue
-        if route == ql.WIDEN:
+        if route in ql.EXACT_ROUTES:  # float32 x: the bf16 route widens
             check_route(ops, x, packed, route, dequantised, error, bias)
         else:
             check_route(ops, x, packed, route, as_int8, error, bias)
@@ -199,6 +199,29 @@ def test_16_bit_activations_round_the_output_once(ops, dtype):
     exact = ql.reference(x, packed)
     assert ((out.reshape(6, 48).double() - exact).abs()
             <= torch.finfo(dtype).eps * exact.abs() + 1e-4).all()
+
+
+@pytest.mark.parametrize("fmt", [ql.Q4_0, ql.Q4_1, ql.Q4_K, ql.Q8_0, ql.Q6_K])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 21, 32])
+def test_bf16_route_on_bf16_activations(ops, fmt, rows):
+    """The bf16 route (vdpbf16ps on 4-bit weights as 128 + u; the other formats widen)
+    against the float64 product: the output's one bf16 rounding plus float32 sums whose
+    terms are up to (128 + 15 + 8) / |u - offset| larger than the widening route's (the
+    offset comes off per block), bounded here by 64x its float32 bound."""
+    if ql.BF16DOT not in ql.routes_available():
+        pytest.skip("no AVX512-BF16 here")
+    n, k = 40, 512  # 2.5 row groups: the last padded
+    packed = ql.pack_gguf_blocks(random_blocks(n, k, fmt, rows), fmt, k)
+    g = torch.Generator().manual_seed(rows)
+    x, bias = torch.randn(rows, k, generator=g).to(torch.bfloat16), torch.randn(n, generator=g)
+    w, w_abs = dequantised_weights(packed)
+    exact = ql.reference(x, packed, bias, ql.BF16DOT, w)
+    within = (torch.finfo(torch.bfloat16).eps * exact.abs()
+              + 64 * float32_error(x, packed, w_abs))
+    check_route(ops, x, packed, ql.BF16DOT, exact, within, bias)
+    # and it is the widening route's function: the two differ by output rounding only
+    widen = ops.quant_linear(x, packed.qs, packed.scales, fmt, n, bias, ql.WIDEN).double()
+    assert ((widen - exact).abs() <= within).all()
 
 
 def test_rows_of_a_batch_do_not_change_each_other(ops):

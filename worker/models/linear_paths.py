@@ -9,7 +9,10 @@ fp16) or block-quantized (a ``PackedWeight``, kernels/quant_linear.py):
   float32 arithmetic);
 * ``widen``: float32 arithmetic on weights widened per call (16-bit), or in registers
   by the quantized kernel (quantized);
-* ``int8``: the quantized kernel's integer route (activations quantized per block).
+* ``int8``: the quantized kernel's integer route (activations quantized per block);
+* ``bf16dot``: the quantized kernel's bf16 route (4-bit formats, AVX512-BF16 CPUs):
+  bf16 activations times the weights turned into bf16 pairs, ``vdpbf16ps``, products
+  exact in float32 as in ``widen`` (which it is for other activations).
 
 Which one is fastest depends on the CPU (bf16/VNNI/AMX instructions, cache sizes), the
 weight's shape and the number of rows, so worker/linear_backend.py times them at load
@@ -32,11 +35,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_extension
-from kernels.quant_linear import BEST_INT8, WIDEN as WIDEN_ROUTE, PackedWeight
+from kernels.quant_linear import BEST_INT8, BF16DOT as BF16DOT_ROUTE, Q4_0, Q4_1, Q4_K
+from kernels.quant_linear import WIDEN as WIDEN_ROUTE, PackedWeight, routes_available
 from kernels.quant_linear import quant_linear, weight_rows
 
-NATIVE, KERNEL, WIDEN, INT8 = "native", "kernel", "widen", "int8"
-PATHS = (NATIVE, KERNEL, WIDEN, INT8)
+NATIVE, KERNEL, WIDEN, INT8, BF16DOT = "native", "kernel", "widen", "int8", "bf16dot"
+PATHS = (NATIVE, KERNEL, WIDEN, INT8, BF16DOT)
+_NIBBLE_FORMATS = frozenset({Q4_0, Q4_1, Q4_K})  # what the bf16 route takes
 LOSSY = frozenset({INT8})  # paths whose result is not x @ W.T to float rounding
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 # Row counts a choice is made for; a call takes the bucket nearest in log2 (upper
@@ -80,13 +85,22 @@ def kernel_takes(weight) -> bool:
             and cpu_extension.is_available())
 
 
-def candidates(weight, lossy: bool = True) -> tuple[str, ...]:
+def bf16dot_takes(weight, dtype: torch.dtype | None) -> bool:
+    """Whether the bf16 route computes (rather than falls back to widening) for this
+    weight and activations of ``dtype`` (None: any)."""
+    return (isinstance(weight, PackedWeight) and weight.fmt in _NIBBLE_FORMATS
+            and dtype in (None, torch.bfloat16) and BF16DOT_ROUTE in routes_available())
+
+
+def candidates(weight, lossy: bool = True, dtype: torch.dtype | None = None) -> tuple[str, ...]:
     """The paths that can run this weight on this machine (the first is the default);
-    ``lossy=False`` leaves out the ``LOSSY`` ones (what the measured choice picks from)."""
+    ``lossy=False`` leaves out the ``LOSSY`` ones (what the measured choice picks from);
+    ``dtype``: the activations' (None: any)."""
     if isinstance(weight, PackedWeight):
         if not cpu_extension.is_available():
             return (NATIVE,)
-        return (WIDEN, INT8, NATIVE) if lossy else (WIDEN, NATIVE)
+        exact = (WIDEN, BF16DOT) if bf16dot_takes(weight, dtype) else (WIDEN,)
+        return (*exact, INT8, NATIVE) if lossy else (*exact, NATIVE)
     if weight.dtype in HALF_DTYPES:
         return (NATIVE, KERNEL, WIDEN) if kernel_takes(weight) else (NATIVE, WIDEN)
     return (NATIVE,)
@@ -97,7 +111,8 @@ def run_path(path: str, x: torch.Tensor, weight, bias: torch.Tensor | None) -> t
     if isinstance(weight, PackedWeight):
         if path == NATIVE:
             return F.linear(x, weight_rows(weight, None, x.dtype), bias)
-        return quant_linear(x, weight, bias, WIDEN_ROUTE if path == WIDEN else BEST_INT8)
+        route = {WIDEN: WIDEN_ROUTE, BF16DOT: BF16DOT_ROUTE}.get(path, BEST_INT8)
+        return quant_linear(x, weight, bias, route)
     if path == KERNEL:
         ops = cpu_extension.require()
         out = ops.half_linear(x.reshape(-1, x.shape[-1]), weight, bias)
