@@ -6,7 +6,7 @@
 //   route 3  int8 dot products, plain C++            (always built)
 //   route 4  widening to float32 FMAs                (always built)
 //   route 5  bf16 pairs into `vdpbf16ps`              (built when -march=native has
-//            AVX512-BF16; 4-bit formats with bf16 activations, route 4 otherwise)
+//            AVX512-BF16; Q4_0/Q4_1/Q4_K/Q6_K with bf16 activations, else route 4)
 //   route 0  the best int8 route built here (1, else 2, else 3)
 //
 // Work split: threads take groups of 16 weight rows; each group meets the activation
@@ -78,7 +78,7 @@ void tile(int64_t route, const Operands& o, int64_t g, int64_t m0, float* acc, b
     case kWiden: return tile_widen<Fmt, MR>(qs, sc, o.B, o.xf, o.B * kBlock, o.xsum, m0, acc);
 #ifdef FOLIO_QUANT_BF16DOT
     case kBf16Dot:
-      if constexpr (is_q4(Fmt) && Fmt != kQ6_K)
+      if constexpr (is_q4(Fmt))
         return tile_bf16dot<Fmt, MR>(qs, sc, o.B, o.xp, o.B * kBlock / 2, o.xsum, m0, acc);
       return;  // never chosen for other formats (quant_linear)
 #endif
@@ -195,7 +195,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
   check_operands(x_in, qs, scales, fmt, n, route);
   if (route == kBestInt8) route = built_routes().front();
   // the bf16 route takes 4-bit formats and bf16 activations; the same product otherwise
-  if (route == kBf16Dot && (x_in.scalar_type() != at::kBFloat16 || fmt == kQ8_0 || fmt == kQ6_K))
+  if (route == kBf16Dot && (x_in.scalar_type() != at::kBFloat16 || fmt == kQ8_0))
     route = kWiden;
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
@@ -217,7 +217,8 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
     const at::BFloat16* xb = x.const_data_ptr<at::BFloat16>();
     const int64_t B = qs.size(1);
     xp.resize(static_cast<size_t>(M * K / 2));
-    xsum.resize(static_cast<size_t>(M * B));
+    const int parts = fmt == kQ6_K ? 2 : 1;  // sums per block, or per half block
+    xsum.resize(static_cast<size_t>(M * B * parts));
     constexpr int kLow[4] = {0, 1, 4, 5};
     for (int64_t m = 0; m < M; ++m) {
       const at::BFloat16* row = xb + m * x.stride(0);
@@ -225,10 +226,10 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
         for (int p = 0; p < 4; ++p)
           xp[m * K / 2 + 4 * c + p] = row[8 * c + kLow[p]].x |
                                       (static_cast<uint32_t>(row[8 * c + kLow[p] + 2].x) << 16);
-      for (int64_t b = 0; b < B; ++b) {
+      for (int64_t i = 0; i < B * parts; ++i) {
         float s = 0.f;
-        for (int k = 0; k < kBlock; ++k) s += static_cast<float>(row[b * kBlock + k]);
-        xsum[m * B + b] = s;
+        for (int k = 0; k < kBlock / parts; ++k) s += static_cast<float>(row[i * kBlock / parts + k]);
+        xsum[m * B * parts + i] = s;
       }
     }
     o.xp = xp.data();

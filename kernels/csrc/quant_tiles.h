@@ -292,56 +292,81 @@ inline void tile_avx2(const uint8_t* qs, const uint8_t* sc, int64_t B,
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
 #define FOLIO_QUANT_BF16DOT 1
 
-// The bf16 route, for 4-bit formats (Q4_0, Q4_1, Q4_K) and bf16 activations: a 16-bit
-// lane holding a nibble u in its low bits, or-ed with 0x4300, is the bf16 of 128 + u
-// (exponent 2^7, the last of 7 mantissa bits worth 1), so one `vpternlogd` turns two
-// nibbles of a row into a bf16 pair and one `vdpbf16ps` multiplies 16 rows x 2 k into
+// The bf16 route, for Q4_0, Q4_1, Q4_K and Q6_K with bf16 activations: a 16-bit lane
+// holding a value u < 128 in its low bits, or-ed with 0x4300, is the bf16 of 128 + u
+// (exponent 2^7, the last of 7 mantissa bits worth 1), so a `vpternlogd` or two turn two
+// values of a row into a bf16 pair and one `vdpbf16ps` multiplies 16 rows x 2 k into
 // float32. Products of two bf16 are exact in float32, as in the widening route; per
-// block the offset comes off with the activations' sum:
+// block (Q6_K: half block) the offset comes off with the activations' sum:
 //
 //   sum_k w_k x_k = D * (sum_k (128 + u_k) x_k - (128 + offset) * xs) + M * xs
 //
 // A Q4 chunk's lane j holds bytes t = 0..3 of row j (low nibble k = 8c + t, high nibble
 // 8c + 4 + t); the four pairs it gives, by shifting 0, 8, 4 and 12, are k (0, 2), (1, 3),
 // (4, 6), (5, 7) of the chunk (low half, high half), so the activations are taken as
-// bf16 pairs in that order (`xp` [rows][k / 2] 32-bit words, quant_linear.cpp). Against
-// the widening route: about half the vector instructions per weight.
+// bf16 pairs in that order (`xp` [rows][k / 2] 32-bit words, quant_linear.cpp). Q6_K ors
+// each pair's two top bits in from its plane (bits 2f of byte t for k = 16h + 4f + t),
+// shifted to bits 4-5 of each half. Against the widening route: about half the vector
+// instructions per weight.
 template <int64_t Fmt, int MR>
 inline void tile_bf16dot(const uint8_t* qs, const uint8_t* sc, int64_t B, const uint32_t* xp,
                          int64_t ldxp, const float* xsum, int64_t m0, float* out) {
-  static_assert(is_q4(Fmt) && Fmt != kQ6_K, "nibble formats only");
+  static_assert(is_q4(Fmt), "values of at most 6 bits");
+  constexpr int H = split_halves(Fmt) ? 2 : 1;  // parts of a block under one scale
   const __m512i low = _mm512_set1_epi32(0x000F000F), magic = _mm512_set1_epi32(0x43004300);
+  const __m512i top = _mm512_set1_epi32(0x00300030);
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < B; ++b) {
     const uint8_t* q = qs + b * qs_bytes(Fmt);
     const uint32_t* xb = xp + m0 * ldxp + b * (kBlock / 2);
-    __m512 part[MR][2];  // two chains a row
-    for (int r = 0; r < MR; ++r) part[r][0] = part[r][1] = _mm512_setzero_ps();
-    for (int c = 0; c < 4; ++c) {
+    constexpr int C = MR * H <= 8 ? 2 : 1;  // chains per part, within 16 accumulators
+    __m512 part[MR][H][C];                    // per half block
+    for (int r = 0; r < MR; ++r)
+      for (int h = 0; h < H; ++h)
+        for (int i = 0; i < C; ++i) part[r][h][i] = _mm512_setzero_ps();
+    // chunk c; for Q6_K `plane` is its plane (c / 2) shifted right by 2f (f = 2 (c % 2))
+    const auto chunk = [&](int c, const __m512i& plane) {
       const __m512i v = _mm512_loadu_si512(q + 64 * c);
       __m512i pair[4];
       pair[0] = _mm512_ternarylogic_epi32(v, low, magic, 0xEA);  // (v & low) | magic
       pair[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 8), low, magic, 0xEA);
       pair[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 4), low, magic, 0xEA);
       pair[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 12), low, magic, 0xEA);
+      if constexpr (Fmt == kQ6_K) {  // | (top bits & 0x30): 0xF8 is a | (b & c)
+        pair[0] = _mm512_ternarylogic_epi32(pair[0], _mm512_slli_epi32(plane, 4), top, 0xF8);
+        pair[1] = _mm512_ternarylogic_epi32(pair[1], _mm512_srli_epi32(plane, 4), top, 0xF8);
+        pair[2] = _mm512_ternarylogic_epi32(pair[2], _mm512_slli_epi32(plane, 2), top, 0xF8);
+        pair[3] = _mm512_ternarylogic_epi32(pair[3], _mm512_srli_epi32(plane, 6), top, 0xF8);
+      }
+      const int h = H == 2 ? c / 2 : 0;
       for (int p = 0; p < 4; ++p)
         for (int r = 0; r < MR; ++r)
-          part[r][p & 1] = _mm512_dpbf16_ps(
-              part[r][p & 1], (__m512bh)pair[p],
+          part[r][h][p % C] = _mm512_dpbf16_ps(
+              part[r][h][p % C], (__m512bh)pair[p],
               (__m512bh)_mm512_set1_epi32(static_cast<int>(xb[r * ldxp + 4 * c + p])));
+    };
+    if constexpr (Fmt == kQ6_K) {
+      for (int h = 0; h < 2; ++h) {
+        const __m512i plane = _mm512_loadu_si512(q + 256 + 64 * h);
+        chunk(2 * h, plane);                           // fields 0, 1
+        chunk(2 * h + 1, _mm512_srli_epi32(plane, 4));  // fields 2, 3
+      }
+    } else {
+      for (int c = 0; c < 4; ++c) chunk(c, low);
     }
     alignas(64) float D[2][16], M[2][16];
     block_scales<Fmt>(sc, b, D, M);
-    const __m512 d = _mm512_load_ps(D[0]);
     const __m512 mn = has_min(Fmt) ? _mm512_load_ps(M[0]) : _mm512_setzero_ps();
-    for (int r = 0; r < MR; ++r) {
-      const float xs = xsum[(m0 + r) * B + b];
-      const __m512 sum = _mm512_sub_ps(_mm512_add_ps(part[r][0], part[r][1]),
-                                       _mm512_set1_ps((128.f + offset_of(Fmt)) * xs));
-      acc[r] = _mm512_fmadd_ps(sum, d, acc[r]);
-      if constexpr (has_min(Fmt)) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs), acc[r]);
-    }
+    for (int r = 0; r < MR; ++r)
+      for (int h = 0; h < H; ++h) {
+        const float xs = xsum[((m0 + r) * B + b) * H + h];
+        const __m512 chains = C == 2 ? _mm512_add_ps(part[r][h][0], part[r][h][C - 1])
+                                     : part[r][h][0];
+        const __m512 sum = _mm512_sub_ps(chains, _mm512_set1_ps((128.f + offset_of(Fmt)) * xs));
+        acc[r] = _mm512_fmadd_ps(sum, _mm512_load_ps(D[h]), acc[r]);
+        if constexpr (has_min(Fmt)) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs), acc[r]);
+      }
   }
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * kGroupRows, acc[r]);
 }

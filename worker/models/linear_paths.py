@@ -10,9 +10,9 @@ fp16) or block-quantized (a ``PackedWeight``, kernels/quant_linear.py):
 * ``widen``: float32 arithmetic on weights widened per call (16-bit), or in registers
   by the quantized kernel (quantized);
 * ``int8``: the quantized kernel's integer route (activations quantized per block);
-* ``bf16dot``: the quantized kernel's bf16 route (4-bit formats, AVX512-BF16 CPUs):
-  bf16 activations times the weights turned into bf16 pairs, ``vdpbf16ps``, products
-  exact in float32 as in ``widen`` (which it is for other activations).
+* ``bf16dot``: the quantized kernel's bf16 route (Q4_0/Q4_1/Q4_K/Q6_K, AVX512-BF16
+  CPUs): bf16 activations times the weights turned into bf16 pairs, ``vdpbf16ps``,
+  products exact in float32 as in ``widen`` (which it is for other activations).
 
 Which one is fastest depends on the CPU (bf16/VNNI/AMX instructions, cache sizes), the
 weight's shape and the number of rows, so worker/linear_backend.py times them at load
@@ -35,13 +35,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_extension
-from kernels.quant_linear import BEST_INT8, BF16DOT as BF16DOT_ROUTE, Q4_0, Q4_1, Q4_K
+from kernels.quant_linear import BEST_INT8, BF16DOT as BF16DOT_ROUTE, Q4_0, Q4_1, Q4_K, Q6_K
 from kernels.quant_linear import WIDEN as WIDEN_ROUTE, PackedWeight, routes_available
 from kernels.quant_linear import quant_linear, weight_rows
 
 NATIVE, KERNEL, WIDEN, INT8, BF16DOT = "native", "kernel", "widen", "int8", "bf16dot"
 PATHS = (NATIVE, KERNEL, WIDEN, INT8, BF16DOT)
-_NIBBLE_FORMATS = frozenset({Q4_0, Q4_1, Q4_K})  # what the bf16 route takes
+_BF16DOT_FORMATS = frozenset({Q4_0, Q4_1, Q4_K, Q6_K})  # values of at most 6 bits
 LOSSY = frozenset({INT8})  # paths whose result is not x @ W.T to float rounding
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 # Row counts a choice is made for; a call takes the bucket nearest in log2 (upper
@@ -88,7 +88,7 @@ def kernel_takes(weight) -> bool:
 def bf16dot_takes(weight, dtype: torch.dtype | None) -> bool:
     """Whether the bf16 route computes (rather than falls back to widening) for this
     weight and activations of ``dtype`` (None: any)."""
-    return (isinstance(weight, PackedWeight) and weight.fmt in _NIBBLE_FORMATS
+    return (isinstance(weight, PackedWeight) and weight.fmt in _BF16DOT_FORMATS
             and dtype in (None, torch.bfloat16) and BF16DOT_ROUTE in routes_available())
 
 
