@@ -183,6 +183,7 @@ def test_routes_built_and_the_default_is_the_fastest_built(ops):
     flags = cpu_extension.cpu_flags().split()
     assert (ql.VNNI512 in routes) == ({"avx512_vnni", "avx512bw"} <= set(flags))
     assert (ql.AVX2 in routes) == ("avx2" in flags)
+    assert (ql.BF16DOT in routes) == ({"avx512_bf16", "avx512bw"} <= set(flags))
     packed = ql.pack_gguf_blocks(random_blocks(32, 64, ql.Q4_1, 0), ql.Q4_1, 64)
     x = torch.randn(5, 64)
     best = ops.quant_linear(x, packed.qs, packed.scales, ql.Q4_1, 32, None, ql.BEST_INT8)
