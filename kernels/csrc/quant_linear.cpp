@@ -95,6 +95,22 @@ void tile_rows(int rows, int64_t route, const Operands& o, int64_t g, int64_t m0
   tile<Fmt, MR>(route, o, g, m0, acc, ahead);
 }
 
+// x's sums per block of 32 (Q6_K: per half block, its scales' unit), [M][B] or
+// [M][B][2], into `out`, in float32 in k order; returns out's data.
+template <typename T>
+const float* block_sums(const T* x, int64_t ldx, int64_t M, int64_t K, int64_t fmt,
+                        std::vector<float>& out) {
+  const int64_t span = fmt == kQ6_K ? kBlock / 2 : kBlock, parts = K / span;
+  out.resize(static_cast<size_t>(M * parts));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t i = 0; i < parts; ++i) {
+      float s = 0.f;
+      for (int64_t k = 0; k < span; ++k) s += static_cast<float>(x[m * ldx + i * span + k]);
+      out[m * parts + i] = s;
+    }
+  return out.data();
+}
+
 // Rows [0, rows) of a [rows][ldb] float buffer, columns [0, cols), into y (+ bias).
 template <typename O>
 void store(const float* buf, int64_t ldb, int64_t rows, int64_t cols, const float* bias,
@@ -215,10 +231,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
     // per chunk of 8 k the pairs (0, 2), (1, 3), (4, 6), (5, 7), low half first
     // (quant_tiles.h, tile_bf16dot); the block sums in float32, as the widening route's
     const at::BFloat16* xb = x.const_data_ptr<at::BFloat16>();
-    const int64_t B = qs.size(1);
     xp.resize(static_cast<size_t>(M * K / 2));
-    const int parts = fmt == kQ6_K ? 2 : 1;  // sums per block, or per half block
-    xsum.resize(static_cast<size_t>(M * B * parts));
     constexpr int kLow[4] = {0, 1, 4, 5};
     for (int64_t m = 0; m < M; ++m) {
       const at::BFloat16* row = xb + m * x.stride(0);
@@ -226,27 +239,14 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
         for (int p = 0; p < 4; ++p)
           xp[m * K / 2 + 4 * c + p] = row[8 * c + kLow[p]].x |
                                       (static_cast<uint32_t>(row[8 * c + kLow[p] + 2].x) << 16);
-      for (int64_t i = 0; i < B * parts; ++i) {
-        float s = 0.f;
-        for (int k = 0; k < kBlock / parts; ++k) s += static_cast<float>(row[i * kBlock / parts + k]);
-        xsum[m * B * parts + i] = s;
-      }
     }
     o.xp = xp.data();
-    o.xsum = xsum.data();
+    o.xsum = block_sums(xb, x.stride(0), M, K, fmt, xsum);
   }
   if (route == kWiden) {
     xf = x.to(at::kFloat).contiguous();
     o.xf = xf.const_data_ptr<float>();
-    const int parts = fmt == kQ6_K ? 2 : 1;  // sums per block, or per half block
-    const int64_t B = qs.size(1), span = kBlock / parts;
-    xsum.resize(static_cast<size_t>(M * B * parts));
-    for (int64_t i = 0; i < M * B * parts; ++i) {
-      float s = 0.f;
-      for (int k = 0; k < span; ++k) s += o.xf[i * span + k];
-      xsum[i] = s;
-    }
-    o.xsum = xsum.data();
+    o.xsum = block_sums(o.xf, K, M, K, fmt, xsum);
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear", [&] {
     if (route != kWiden && route != kBf16Dot)
