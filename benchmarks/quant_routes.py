@@ -1,11 +1,12 @@
-"""The quantized kernel's exact routes side by side: widening and bf16 pairs.
+"""The quantized kernel's exact routes side by side: widening, bf16 pairs, AMX tiles.
 
 For each GGUF format, three random matrices of ``--n`` x ``--k`` (about 13-35 MB each,
 so they stream from memory as a model's layers do) are multiplied by bf16 activations
-of 1 and 32 rows through ``quant_linear``'s widening route and its bf16 route
-(``vdpbf16ps``, AVX512-BF16 CPUs only; Q8_0 falls back to widening there), the routes
-taking turns, best of ``--reps``. Prints the time of each, the ratio, and the largest
-difference between the two outputs in bf16 ulps of ``sum_k |x_k w_k|`` (both are float32
+of ``--rows`` rows through ``quant_linear``'s widening route, its bf16 route
+(``vdpbf16ps``, AVX512-BF16 CPUs only) and its AMX route (``tdpbf16ps``, AMX-BF16 CPUs
+only; Q8_0 falls back to widening on both), the routes taking turns, best of
+``--reps``. Prints the time of each, the ratio to widening, and the largest difference
+from the widening route's output in bf16 ulps of ``sum_k |x_k w_k|`` (all are float32
 sums of exact products, rounded once to bf16, so they differ where a sum rounds the
 other way). CPU model and flags go with the result.
 
@@ -48,36 +49,41 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32, 64])
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if ql.BF16DOT not in ql.routes_available():
-        print("the bf16 route is not built here (no AVX512-BF16)")
+    routes = [r for r in (ql.WIDEN, ql.BF16DOT, ql.AMX) if r in ql.routes_available()]
+    if len(routes) == 1:
+        print("only the widening route is built here (no AVX512-BF16)")
         return 1
+    names = {r: n for n, r in ql.ROUTES.items()}
     report = {"machine": machine_facts(), "n": args.n, "k": args.k, "results": []}
     for fmt in (ql.Q4_0, ql.Q4_1, ql.Q8_0, ql.Q4_K, ql.Q6_K):
         weights = [random_matrix(args.n, args.k, fmt, seed) for seed in range(3)]
-        for rows in (1, 32):
+        for rows in args.rows:
             x = torch.randn(rows, args.k).to(torch.bfloat16)
-            best = {ql.WIDEN: float("inf"), ql.BF16DOT: float("inf")}
+            best = dict.fromkeys(routes, float("inf"))
             for _ in range(args.reps):
                 for route in best:
                     t0 = time.perf_counter()
                     for w in weights:
                         ql.quant_linear(x, w, route=route)
                     best[route] = min(best[route], (time.perf_counter() - t0) / len(weights))
-            a = ql.quant_linear(x, weights[0], route=ql.WIDEN).float()
-            b = ql.quant_linear(x, weights[0], route=ql.BF16DOT).float()
-            # against sum |x| |w| per output, the scale both routes' float32 sums err on
+            widened = ql.quant_linear(x, weights[0], route=ql.WIDEN).float()
+            # against sum |x| |w| per output, the scale the routes' float32 sums err on
             magnitude = x.float().abs() @ ql.dequantize(weights[0]).abs().t()
-            ulps = ((a - b).abs() / (magnitude * 2 ** -8)).max().item()
-            row = {"format": ql.FORMAT_NAMES[fmt], "rows": rows,
-                   "widen_ms": best[ql.WIDEN] * 1e3, "bf16dot_ms": best[ql.BF16DOT] * 1e3,
-                   "speedup": best[ql.WIDEN] / best[ql.BF16DOT], "max_diff_bf16_ulps": ulps}
+            row = {"format": ql.FORMAT_NAMES[fmt], "rows": rows}
+            for route in routes:
+                out = ql.quant_linear(x, weights[0], route=route).float()
+                row[f"{names[route]}_ms"] = best[route] * 1e3
+                row[f"{names[route]}_speedup"] = best[ql.WIDEN] / best[route]
+                row[f"{names[route]}_max_diff_bf16_ulps"] = (
+                    (out - widened).abs() / (magnitude * 2 ** -8)).max().item()
             report["results"].append(row)
-            print(f"{row['format']} {rows:2d} rows: widen {row['widen_ms']:.2f} ms, bf16dot "
-                  f"{row['bf16dot_ms']:.2f} ms ({row['speedup']:.2f}x), outputs within "
-                  f"{ulps:.2f} bf16 ulp of sum |x w|", flush=True)
+            print(f"{row['format']} {rows:2d} rows: " + ", ".join(
+                f"{names[r]} {row[f'{names[r]}_ms']:.2f} ms ({row[f'{names[r]}_speedup']:.2f}x, "
+                f"{row[f'{names[r]}_max_diff_bf16_ulps']:.2f} ulp)" for r in routes), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0

@@ -166,7 +166,7 @@ def main() -> int:
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf"],
                    help="Folio's model.quantization (auto: the GGUF stays quantized)")
     p.add_argument("--linear-backend", default="auto",
-                   choices=["auto", "native", "kernel", "widen", "int8", "bf16dot"],
+                   choices=["auto", "native", "kernel", "widen", "int8", "bf16dot", "amx"],
                    help="Folio's worker.linear_backend (int8: activations quantized per "
                         "block of 32, as llama.cpp's own Q4_1 x Q8_1 products)")
     p.add_argument("--json", default=None)

@@ -133,7 +133,7 @@ class CacheConfig:
 
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-LINEAR_BACKENDS = ("auto", "native", "kernel", "widen", "int8", "bf16dot")
+LINEAR_BACKENDS = ("auto", "native", "kernel", "widen", "int8", "bf16dot", "amx")
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,8 +156,9 @@ class WorkerConfig:
     linear_backend: str = _f("auto", "CPU linear layers: auto times every exact path "
                              "on the model's shapes at load and keeps the fastest per "
                              "shape and row count (cached per CPU); native|kernel|widen|"
-                             "bf16dot force one where it applies (bf16dot: Q4_0/Q4_1/Q4_K/"
-                             "Q6_K weights, bf16 activations, AVX512-BF16); int8 (quantized "
+                             "bf16dot|amx force one where it applies (bf16dot: Q4_0/Q4_1/"
+                             "Q4_K/Q6_K weights, bf16 activations, AVX512-BF16; amx: the "
+                             "same on AMX-BF16 tiles); int8 (quantized "
                              "weights only: "
                              "activations quantized per block of 32, faster from a few "
                              "rows on, less accurate; auto never picks it) forces the "

@@ -19,7 +19,8 @@ widens the weights in registers. Their difference from the dequantised product
 ``x @ dequantize(W).T`` is bounded by :func:`activation_rounding_bound`. ``BF16DOT``
 (AVX512-BF16 CPUs) multiplies bf16 activations by 4-bit weights turned into bf16 pairs
 with ``vdpbf16ps``: products exact in float32, like ``WIDEN``, which it falls back to
-for other activations and formats.
+for other activations and formats. ``AMX`` (AMX-BF16 CPUs) is the same product on AMX
+tiles, ``tdpbf16ps``, 16 activation rows x 16 weight rows x one block per instruction.
 """
 from __future__ import annotations
 
@@ -44,10 +45,10 @@ _OFFSET = {Q4_0: 8, Q4_1: 0, Q8_0: 128, Q4_K: 0, Q6_K: 32}  # stored u = q + off
 #   Q6_K: d fp16[16] | sc i8[8 blocks][2 halves][16]
 _K_SCALE_BYTES = {Q4_K: 320, Q6_K: 288}
 
-BEST_INT8, VNNI512, AVX2, SCALAR, WIDEN, BF16DOT = 0, 1, 2, 3, 4, 5
+BEST_INT8, VNNI512, AVX2, SCALAR, WIDEN, BF16DOT, AMX = 0, 1, 2, 3, 4, 5, 6
 ROUTES = {"int8": BEST_INT8, "int8_vnni512": VNNI512, "int8_avx2": AVX2,
-          "int8_scalar": SCALAR, "widen": WIDEN, "bf16dot": BF16DOT}
-EXACT_ROUTES = frozenset({WIDEN, BF16DOT})  # x as given: float32 rounding only
+          "int8_scalar": SCALAR, "widen": WIDEN, "bf16dot": BF16DOT, "amx": AMX}
+EXACT_ROUTES = frozenset({WIDEN, BF16DOT, AMX})  # x as given: float32 rounding only
 
 
 @dataclass(slots=True)

@@ -37,9 +37,9 @@ namespace folio {
 namespace {
 
 // Path codes, as worker/models/fused_decode.py encodes linear_paths' names.
-enum Path : int64_t { kNative = 0, kKernel = 1, kWiden = 2, kInt8 = 3, kBf16Dot = 4 };
+enum Path : int64_t { kNative = 0, kKernel = 1, kWiden = 2, kInt8 = 3, kBf16Dot = 4, kAmx = 5 };
 constexpr int64_t kQuantWidenRoute = 4, kQuantBestInt8Route = 0,  // quant_linear.cpp
-    kQuantBf16DotRoute = 5;
+    kQuantBf16DotRoute = 5, kQuantAmxRoute = 6;
 
 // Operand slots in `weights` and fields of `meta` (see the schema at the bottom).
 enum Slot { kInNorm, kPostNorm, kQkv, kQkvScales, kQkvBias, kO, kOScales, kGateUp,
@@ -62,6 +62,7 @@ at::Tensor linear(const at::Tensor& x, const OptTensor& w, const OptTensor& scal
     return quant::quant_linear(x, *w, *scales, fmt, n, bias,
                                path == kInt8      ? kQuantBestInt8Route
                                : path == kBf16Dot ? kQuantBf16DotRoute
+                               : path == kAmx     ? kQuantAmxRoute
                                                   : kQuantWidenRoute);
   }
   if (path == kKernel) return half_linear(x, *w, bias);

@@ -7,6 +7,9 @@
 //   route 4  widening to float32 FMAs                (always built)
 //   route 5  bf16 pairs into `vdpbf16ps`              (built when -march=native has
 //            AVX512-BF16; Q4_0/Q4_1/Q4_K/Q6_K with bf16 activations, else route 4)
+//   route 6  route 5 on AMX tiles, `tdpbf16ps`       (built when -march=native has
+//            AMX-BF16 and the kernel grants this process the tile state; Q4_0/Q4_1/
+//            Q4_K/Q6_K with bf16 activations, else route 4)
 //   route 0  the best int8 route built here (1, else 2, else 3)
 //
 // Work split: threads take groups of 16 weight rows; each group meets the activation
@@ -20,6 +23,11 @@
 #include <algorithm>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "kernel_entries.h"
 #include "quant_tiles.h"
 
@@ -31,8 +39,24 @@ namespace {
 #endif
 constexpr int kMR = FOLIO_QUANT_MR;  // activation rows per tile
 enum Route : int64_t {
-  kBestInt8 = 0, kVnni512 = 1, kAvx2 = 2, kScalar = 3, kWiden = 4, kBf16Dot = 5
+  kBestInt8 = 0, kVnni512 = 1, kAvx2 = 2, kScalar = 3, kWiden = 4, kBf16Dot = 5, kAmx = 6
 };
+
+#ifdef FOLIO_QUANT_AMX
+// Linux hands a process the AMX tile state only on request (arch_prctl
+// ARCH_REQ_XCOMP_PERM for XTILEDATA); without it the first tile op is SIGILL.
+bool amx_permitted() {
+  static const bool granted = [] {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+#else
+    return false;
+#endif
+  }();
+  return granted;
+}
+#endif
 
 std::vector<int64_t> built_routes() {
   std::vector<int64_t> routes;
@@ -46,6 +70,9 @@ std::vector<int64_t> built_routes() {
   routes.push_back(kWiden);
 #ifdef FOLIO_QUANT_BF16DOT
   routes.push_back(kBf16Dot);
+#endif
+#ifdef FOLIO_QUANT_AMX
+  if (amx_permitted()) routes.push_back(kAmx);
 #endif
   return routes;
 }
@@ -131,8 +158,25 @@ void run_groups(int64_t route, const Operands& o, int64_t M, int64_t N, int64_t 
   const int64_t groups = (N + kGroupRows - 1) / kGroupRows;
   const int64_t span = (g1 - g0) * kGroupRows;
   buf.resize(static_cast<size_t>(M * span));
+  bool done = false;
+#ifdef FOLIO_QUANT_AMX
+  if constexpr (is_q4(Fmt)) {
+    if (route == kAmx) {  // all M rows of a group at once
+      thread_local std::vector<float> rows_out, scales;
+      thread_local std::vector<uint32_t> tiles;
+      rows_out.resize(static_cast<size_t>(M * kGroupRows));
+      for (int64_t g = g0; g < g1; ++g) {
+        group_amx<Fmt>(o.qs + g * o.B * qs_bytes(Fmt), o.scales + g * group_scale_bytes(Fmt, o.B),
+                       o.B, o.xp, o.B * kBlock / 2, o.xsum, M, rows_out.data(), tiles, scales);
+        store(rows_out.data(), kGroupRows, M, kGroupRows, nullptr,
+              buf.data() + (g - g0) * kGroupRows, span);
+      }
+      done = true;
+    }
+  }
+#endif
   alignas(64) float acc[kMR * kGroupRows];
-  for (int64_t g = g0; g < g1; ++g) {
+  for (int64_t g = g0; g < g1 && !done; ++g) {
     for (int64_t m0 = 0; m0 < M; m0 += kMR) {
       const int rows = static_cast<int>(std::min<int64_t>(kMR, M - m0));
       // the last tile of a group that had others prefetches the next group: re-reading
@@ -158,9 +202,15 @@ void run(int64_t route, const Operands& o, int64_t M, int64_t N, const float* bi
   const int64_t grain = std::max<int64_t>(1, 65536 / work);  // ~64K multiply-adds a chunk
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> buf;
+#ifdef FOLIO_QUANT_AMX
+    if (route == kAmx) amx_configure();
+#endif
     for (int64_t i = begin; i < end; ++i)
       run_groups<Fmt>(route, o, M, N, i * per_item, std::min(groups, (i + 1) * per_item),
                       bias, y, buf);
+#ifdef FOLIO_QUANT_AMX
+    if (route == kAmx) _tile_release();
+#endif
   });
 }
 
@@ -210,8 +260,9 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
                         int64_t route) {
   check_operands(x_in, qs, scales, fmt, n, route);
   if (route == kBestInt8) route = built_routes().front();
-  // the bf16 route takes 4-bit formats and bf16 activations; the same product otherwise
-  if (route == kBf16Dot && (x_in.scalar_type() != at::kBFloat16 || fmt == kQ8_0))
+  // the bf16 routes take 4-bit formats and bf16 activations; the same product otherwise
+  if ((route == kBf16Dot || route == kAmx) &&
+      (x_in.scalar_type() != at::kBFloat16 || fmt == kQ8_0))
     route = kWiden;
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
@@ -227,11 +278,14 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
   thread_local std::vector<uint32_t> xp;
   Operands o{qs.const_data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.const_data_ptr()),
              qs.size(1), &xr, nullptr, nullptr, nullptr};
-  if (route == kBf16Dot) {
+  if (route == kBf16Dot || route == kAmx) {
     // per chunk of 8 k the pairs (0, 2), (1, 3), (4, 6), (5, 7), low half first
-    // (quant_tiles.h, tile_bf16dot); the block sums in float32, as the widening route's
+    // (quant_tiles.h, tile_bf16dot); the block sums in float32, as the widening route's.
+    // AMX tiles take 16 rows at a time: the rows past M are zero.
     const at::BFloat16* xb = x.const_data_ptr<at::BFloat16>();
-    xp.resize(static_cast<size_t>(M * K / 2));
+    const int64_t padded = route == kAmx ? (M + 15) / 16 * 16 : M;
+    xp.resize(static_cast<size_t>(padded * K / 2));
+    std::fill(xp.begin() + M * K / 2, xp.end(), 0u);
     constexpr int kLow[4] = {0, 1, 4, 5};
     for (int64_t m = 0; m < M; ++m) {
       const at::BFloat16* row = xb + m * x.stride(0);

@@ -20,8 +20,10 @@
 
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "quant_pack.h"
 
@@ -308,53 +310,68 @@ inline void tile_avx2(const uint8_t* qs, const uint8_t* sc, int64_t B,
 // each pair's two top bits in from its plane (bits 2f of byte t for k = 16h + 4f + t),
 // shifted to bits 4-5 of each half. Against the widening route: about half the vector
 // instructions per weight.
+// The four bf16 pair vectors of Q4 chunk c (k (0, 2), (1, 3), (4, 6), (5, 7) of the
+// chunk, lane j = row j), each 16-bit half the bf16 of 128 + u; for Q6_K `plane` is the
+// chunk's top-bit plane shifted right by 2f (f = 2 (c % 2)).
+template <int64_t Fmt>
+inline void bf16_pairs(const uint8_t* q, int c, const __m512i& plane, __m512i (&pair)[4]) {
+  const __m512i low = _mm512_set1_epi32(0x000F000F), magic = _mm512_set1_epi32(0x43004300);
+  const __m512i v = _mm512_loadu_si512(q + 64 * c);
+  pair[0] = _mm512_ternarylogic_epi32(v, low, magic, 0xEA);  // (v & low) | magic
+  pair[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 8), low, magic, 0xEA);
+  pair[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 4), low, magic, 0xEA);
+  pair[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 12), low, magic, 0xEA);
+  if constexpr (Fmt == kQ6_K) {  // | (top bits & 0x30): 0xF8 is a | (b & c)
+    const __m512i top = _mm512_set1_epi32(0x00300030);
+    pair[0] = _mm512_ternarylogic_epi32(pair[0], _mm512_slli_epi32(plane, 4), top, 0xF8);
+    pair[1] = _mm512_ternarylogic_epi32(pair[1], _mm512_srli_epi32(plane, 4), top, 0xF8);
+    pair[2] = _mm512_ternarylogic_epi32(pair[2], _mm512_slli_epi32(plane, 2), top, 0xF8);
+    pair[3] = _mm512_ternarylogic_epi32(pair[3], _mm512_srli_epi32(plane, 6), top, 0xF8);
+  }
+}
+
+// Every chunk's pairs of one block, in order: f(c, pair) for c = 0..3.
+template <int64_t Fmt, typename F>
+inline void block_bf16_pairs(const uint8_t* q, F&& f) {
+  __m512i pair[4];
+  if constexpr (Fmt == kQ6_K) {
+    for (int h = 0; h < 2; ++h) {
+      const __m512i plane = _mm512_loadu_si512(q + 256 + 64 * h);
+      bf16_pairs<Fmt>(q, 2 * h, plane, pair);  // fields 0, 1
+      f(2 * h, pair);
+      bf16_pairs<Fmt>(q, 2 * h + 1, _mm512_srli_epi32(plane, 4), pair);  // fields 2, 3
+      f(2 * h + 1, pair);
+    }
+  } else {
+    for (int c = 0; c < 4; ++c) {
+      bf16_pairs<Fmt>(q, c, _mm512_setzero_si512(), pair);  // no plane
+      f(c, pair);
+    }
+  }
+}
+
 template <int64_t Fmt, int MR>
 inline void tile_bf16dot(const uint8_t* qs, const uint8_t* sc, int64_t B, const uint32_t* xp,
                          int64_t ldxp, const float* xsum, int64_t m0, float* out) {
   static_assert(is_q4(Fmt), "values of at most 6 bits");
   constexpr int H = split_halves(Fmt) ? 2 : 1;  // parts of a block under one scale
-  const __m512i low = _mm512_set1_epi32(0x000F000F), magic = _mm512_set1_epi32(0x43004300);
-  const __m512i top = _mm512_set1_epi32(0x00300030);
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < B; ++b) {
-    const uint8_t* q = qs + b * qs_bytes(Fmt);
     const uint32_t* xb = xp + m0 * ldxp + b * (kBlock / 2);
     constexpr int C = MR * H <= 8 ? 2 : 1;  // chains per part, within 16 accumulators
     __m512 part[MR][H][C];                    // per half block
     for (int r = 0; r < MR; ++r)
       for (int h = 0; h < H; ++h)
         for (int i = 0; i < C; ++i) part[r][h][i] = _mm512_setzero_ps();
-    // chunk c; for Q6_K `plane` is its plane (c / 2) shifted right by 2f (f = 2 (c % 2))
-    const auto chunk = [&](int c, const __m512i& plane) {
-      const __m512i v = _mm512_loadu_si512(q + 64 * c);
-      __m512i pair[4];
-      pair[0] = _mm512_ternarylogic_epi32(v, low, magic, 0xEA);  // (v & low) | magic
-      pair[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 8), low, magic, 0xEA);
-      pair[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 4), low, magic, 0xEA);
-      pair[3] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(v, 12), low, magic, 0xEA);
-      if constexpr (Fmt == kQ6_K) {  // | (top bits & 0x30): 0xF8 is a | (b & c)
-        pair[0] = _mm512_ternarylogic_epi32(pair[0], _mm512_slli_epi32(plane, 4), top, 0xF8);
-        pair[1] = _mm512_ternarylogic_epi32(pair[1], _mm512_srli_epi32(plane, 4), top, 0xF8);
-        pair[2] = _mm512_ternarylogic_epi32(pair[2], _mm512_slli_epi32(plane, 2), top, 0xF8);
-        pair[3] = _mm512_ternarylogic_epi32(pair[3], _mm512_srli_epi32(plane, 6), top, 0xF8);
-      }
+    block_bf16_pairs<Fmt>(qs + b * qs_bytes(Fmt), [&](int c, const __m512i (&pair)[4]) {
       const int h = H == 2 ? c / 2 : 0;
       for (int p = 0; p < 4; ++p)
         for (int r = 0; r < MR; ++r)
           part[r][h][p % C] = _mm512_dpbf16_ps(
               part[r][h][p % C], (__m512bh)pair[p],
               (__m512bh)_mm512_set1_epi32(static_cast<int>(xb[r * ldxp + 4 * c + p])));
-    };
-    if constexpr (Fmt == kQ6_K) {
-      for (int h = 0; h < 2; ++h) {
-        const __m512i plane = _mm512_loadu_si512(q + 256 + 64 * h);
-        chunk(2 * h, plane);                           // fields 0, 1
-        chunk(2 * h + 1, _mm512_srli_epi32(plane, 4));  // fields 2, 3
-      }
-    } else {
-      for (int c = 0; c < 4; ++c) chunk(c, low);
-    }
+    });
     alignas(64) float D[2][16], M[2][16];
     block_scales<Fmt>(sc, b, D, M);
     const __m512 mn = has_min(Fmt) ? _mm512_load_ps(M[0]) : _mm512_setzero_ps();
@@ -370,6 +387,106 @@ inline void tile_bf16dot(const uint8_t* qs, const uint8_t* sc, int64_t B, const 
   }
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * kGroupRows, acc[r]);
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define FOLIO_QUANT_AMX 1
+
+// The AMX route: the bf16 route's pairs as tiles. One block of a group's 16 weight rows
+// is exactly one B tile (16 bf16 pairs along k x 16 rows: pair vector r of the block is
+// tile row r) and 16 activation rows of `xp` are one A tile, so one `tdpbf16ps` does the
+// block's 16 x 16 x 32 products (exact in float32, summed in float32 as the hardware
+// orders them), and the per-block fix-up is the bf16 route's. Q6_K multiplies each half
+// block (8 pairs) separately, as its scales are per 16 k.
+//
+// Tiles: tmm0 C [16 x 16 floats]; tmm1 A [16 x 16 pairs], tmm2 B [16 pairs x 16];
+// Q6_K: tmm3 A [16 x 8 pairs], tmm4 / tmm6 B of each half [8 pairs x 16], tmm0 / tmm5 C.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Loads this route's tile shapes; each thread, before its first tile op of a call (the
+// registers' shapes are per thread, and torch's own AMX GEMMs load theirs).
+inline void amx_configure() {
+  static const TileConfig config = [] {
+    TileConfig c;
+    const int shapes[7][2] = {{16, 64}, {16, 64}, {16, 64}, {16, 32}, {8, 64}, {16, 64}, {8, 64}};
+    for (int t = 0; t < 7; ++t) {
+      c.rows[t] = static_cast<uint8_t>(shapes[t][0]);
+      c.colsb[t] = static_cast<uint16_t>(shapes[t][1]);
+    }
+    return c;
+  }();
+  _tile_loadconfig(&config);
+}
+
+// Rows [0, M) of x against one group of 16 weight rows, into out [M][16]. `xp` holds
+// M rounded up to 16 rows, the rows past M zero. The group's blocks are turned into B
+// tiles once (`tiles`, B KB: L2-resident for any model's k), then each 16 rows of x
+// meet all of them with their sums in registers.
+template <int64_t Fmt>
+inline void group_amx(const uint8_t* qs, const uint8_t* sc, int64_t B, const uint32_t* xp,
+                      int64_t ldxp, const float* xsum, int64_t M, float* out,
+                      std::vector<uint32_t>& tiles, std::vector<float>& scales) {
+  static_assert(is_q4(Fmt), "values of at most 6 bits");
+  constexpr int H = split_halves(Fmt) ? 2 : 1;
+  constexpr int kTile = (kBlock / 2) * kGroupRows;  // 32-bit words per B tile
+  const int64_t stride = ldxp * static_cast<int64_t>(sizeof(uint32_t));
+  tiles.resize(static_cast<size_t>(B * kTile));
+  scales.resize(static_cast<size_t>(B * (H + 1) * kGroupRows));  // D per part, then M
+  for (int64_t b = 0; b < B; ++b) {
+    uint32_t* w = tiles.data() + b * kTile;
+    block_bf16_pairs<Fmt>(qs + b * qs_bytes(Fmt), [&](int c, const __m512i (&pair)[4]) {
+      for (int p = 0; p < 4; ++p) _mm512_storeu_si512(w + (4 * c + p) * kGroupRows, pair[p]);
+    });
+    alignas(64) float D[2][16], Mn[2][16];
+    block_scales<Fmt>(sc, b, D, Mn);
+    float* s = scales.data() + b * (H + 1) * kGroupRows;
+    for (int h = 0; h < H; ++h) std::memcpy(s + h * kGroupRows, D[h], sizeof D[h]);
+    if constexpr (has_min(Fmt)) std::memcpy(s + H * kGroupRows, Mn[0], sizeof Mn[0]);
+  }
+  constexpr float kOff = 128.f + offset_of(Fmt);
+  alignas(64) float part[H][16][kGroupRows];
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, M - m0);
+    __m512 acc[16];
+    for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < B; ++b) {
+      const uint32_t* a = xp + m0 * ldxp + b * (kBlock / 2);
+      const uint32_t* w = tiles.data() + b * kTile;
+      _tile_zero(0);
+      if constexpr (H == 1) {
+        _tile_loadd(2, w, 64);
+        _tile_loadd(1, a, stride);
+        _tile_dpbf16ps(0, 1, 2);
+        _tile_stored(0, part[0], 64);
+      } else {
+        _tile_zero(5);
+        _tile_loadd(4, w, 64);
+        _tile_loadd(6, w + 8 * kGroupRows, 64);
+        _tile_loadd(3, a, stride);
+        _tile_dpbf16ps(0, 3, 4);
+        _tile_loadd(3, a + 8, stride);
+        _tile_dpbf16ps(5, 3, 6);
+        _tile_stored(0, part[0], 64);
+        _tile_stored(5, part[1], 64);
+      }
+      const float* s = scales.data() + b * (H + 1) * kGroupRows;
+      const __m512 mn = has_min(Fmt) ? _mm512_loadu_ps(s + H * kGroupRows) : _mm512_setzero_ps();
+      for (int r = 0; r < 16; ++r) {  // the rows past M hold zeros: their xs stay 0
+        for (int h = 0; h < H; ++h) {
+          const float xs = r < rows ? xsum[((m0 + r) * B + b) * H + h] : 0.f;
+          const __m512 sum = _mm512_sub_ps(_mm512_load_ps(part[h][r]), _mm512_set1_ps(kOff * xs));
+          acc[r] = _mm512_fmadd_ps(sum, _mm512_loadu_ps(s + h * kGroupRows), acc[r]);
+          if constexpr (has_min(Fmt)) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs), acc[r]);
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(out + (m0 + r) * kGroupRows, acc[r]);
+  }
+}
+#endif
 #endif
 
 // The stored unsigned value of row j, k-th element of block b's chunk data.

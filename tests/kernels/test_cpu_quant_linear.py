@@ -184,6 +184,10 @@ def test_routes_built_and_the_default_is_the_fastest_built(ops):
     assert (ql.VNNI512 in routes) == ({"avx512_vnni", "avx512bw"} <= set(flags))
     assert (ql.AVX2 in routes) == ("avx2" in flags)
     assert (ql.BF16DOT in routes) == ({"avx512_bf16", "avx512bw"} <= set(flags))
+    # Linux grants the tile state on request (5.16 on); a kernel that refuses it means
+    # AMX is not usable here although the CPU has it
+    assert (ql.AMX in routes) == ({"avx512_bf16", "avx512bw", "amx_tile", "amx_bf16"}
+                                  <= set(flags))
     packed = ql.pack_gguf_blocks(random_blocks(32, 64, ql.Q4_1, 0), ql.Q4_1, 64)
     x = torch.randn(5, 64)
     best = ops.quant_linear(x, packed.qs, packed.scales, ql.Q4_1, 32, None, ql.BEST_INT8)
@@ -202,24 +206,26 @@ def test_16_bit_activations_round_the_output_once(ops, dtype):
             <= torch.finfo(dtype).eps * exact.abs() + 1e-4).all()
 
 
+@pytest.mark.parametrize("route", [ql.BF16DOT, ql.AMX])
 @pytest.mark.parametrize("fmt", [ql.Q4_0, ql.Q4_1, ql.Q4_K, ql.Q8_0, ql.Q6_K])
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 21, 32])
-def test_bf16_route_on_bf16_activations(ops, fmt, rows):
-    """The bf16 route (vdpbf16ps on 4-bit weights as 128 + u; the other formats widen)
-    against the float64 product: the output's one bf16 rounding plus float32 sums whose
-    terms are up to (128 + 15 + 8) / |u - offset| larger than the widening route's (the
-    offset comes off per block), bounded here by 64x its float32 bound."""
-    if ql.BF16DOT not in ql.routes_available():
-        pytest.skip("no AVX512-BF16 here")
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 21, 32, 40])
+def test_bf16_route_on_bf16_activations(ops, fmt, rows, route):
+    """The bf16 routes (vdpbf16ps, or AMX tiles, on 4-bit weights as 128 + u; the other
+    formats widen) against the float64 product: the output's one bf16 rounding plus
+    float32 sums whose terms are up to (128 + 15 + 8) / |u - offset| larger than the
+    widening route's (the offset comes off per block), bounded here by 64x its float32
+    bound. Row counts cover whole and partial AMX tiles of 16 rows."""
+    if route not in ql.routes_available():
+        pytest.skip(f"route {route} is not built here")
     n, k = 40, 512  # 2.5 row groups: the last padded
     packed = ql.pack_gguf_blocks(random_blocks(n, k, fmt, rows), fmt, k)
     g = torch.Generator().manual_seed(rows)
     x, bias = torch.randn(rows, k, generator=g).to(torch.bfloat16), torch.randn(n, generator=g)
     w, w_abs = dequantised_weights(packed)
-    exact = ql.reference(x, packed, bias, ql.BF16DOT, w)
+    exact = ql.reference(x, packed, bias, route, w)
     within = (torch.finfo(torch.bfloat16).eps * exact.abs()
               + 64 * float32_error(x, packed, w_abs))
-    check_route(ops, x, packed, ql.BF16DOT, exact, within, bias)
+    check_route(ops, x, packed, route, exact, within, bias)
     # and it is the widening route's function: the two differ by output rounding only
     widen = ops.quant_linear(x, packed.qs, packed.scales, fmt, n, bias, ql.WIDEN).double()
     assert ((widen - exact).abs() <= within).all()
@@ -231,6 +237,20 @@ def test_rows_of_a_batch_do_not_change_each_other(ops):
     together = ql.quant_linear(x, packed)
     alone = torch.cat([ql.quant_linear(x[i:i + 1], packed) for i in range(19)])
     assert torch.equal(together, alone)  # batch-invariant: same sums in the same order
+
+
+@pytest.mark.parametrize("fmt", [ql.Q4_1, ql.Q6_K])
+def test_amx_rows_do_not_change_each_other(ops, fmt):
+    """An AMX tile sums each output in an order of the hardware's, but the same order
+    whatever the other 15 rows of the tile hold."""
+    if ql.AMX not in ql.routes_available():
+        pytest.skip("no AMX-BF16 here")
+    k = 512
+    packed = ql.pack_gguf_blocks(random_blocks(64, k, fmt, 9), fmt, k)
+    x = torch.randn(35, k).to(torch.bfloat16)
+    together = ql.quant_linear(x, packed, route=ql.AMX)
+    alone = torch.cat([ql.quant_linear(x[i:i + 1], packed, route=ql.AMX) for i in range(35)])
+    assert torch.equal(together, alone)
 
 
 def test_int8_per_channel_rounds_each_weight_by_at_most_half_a_step():

@@ -131,8 +131,10 @@ def check_against_size_one(model, tp, alone_prompts=range(8), **overrides):
                                                              expected_prompt_logprobs]
         for d, want in zip(got, expected_prompt_logprobs):
             assert [d[t] for t in want] == pytest.approx(list(want.values()), abs=1e-4)
+        # a rank's shards are other shapes, for which the measured choice may take another
+        # exact path (float32 sums in another order): 1.2e-4 on logits of ~17 on an AMX Xeon
         for got, want in zip(step_logits(split.runner, [37, 5, 20]), expected_logits):
-            torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
 
 
 def test_tp2_tiny_llama_matches_size_one(tiny_llama_dir, default_model_path):

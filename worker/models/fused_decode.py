@@ -29,7 +29,7 @@ import torch
 from kernels import cpu_extension
 from kernels.quant_linear import PackedWeight
 from worker.models.linear import linear_path
-from worker.models.linear_paths import BF16DOT, INT8, KERNEL, NATIVE, WIDEN
+from worker.models.linear_paths import AMX, BF16DOT, INT8, KERNEL, NATIVE, WIDEN
 from worker.models.quant_linear import SplitQuantLinear
 
 if TYPE_CHECKING:
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from worker.models.rotary_embedding import RotaryAngles
 
 # decode_layer.cpp's path codes
-_PATH_CODES = {NATIVE: 0, KERNEL: 1, WIDEN: 2, INT8: 3, BF16DOT: 4}
+_PATH_CODES = {NATIVE: 0, KERNEL: 1, WIDEN: 2, INT8: 3, BF16DOT: 4, AMX: 5}
 
 
 def _operands(layer) -> tuple[list, tuple]:

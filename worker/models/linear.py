@@ -31,18 +31,17 @@ the model's own shapes) follows that instead, and so does :func:`linear`.
 
 Deterministic mode (``worker.deterministic``) needs every row's result to be the same
 bits whatever other rows share the call, and a choice by row count (the rule's or the
-measured one) breaks that. :func:`invariant_linear` therefore takes one path per dtype (16-bit weights
-on a CPU without 16-bit arithmetic always take the native kernel, whose outputs each sum
-their K products in one fixed order whatever the row count, or widen where it does not
-take the weight) and pads the rows up to a multiple of
-``INVARIANT_ROW_MULTIPLE``. Measured on this project's AVX-512 CPUs, torch's float32 GEMM
-computes rows in groups of 4 and sums a leftover 1-3 rows (at 1-11 rows) with another
-kernel that rounds differently; at a multiple of 4 rows, from 4 up to 2048, every row
-came out bit-identical (the K order follows the shape's K and N, not M). The bf16 GEMM
-(AVX512-BF16) was row-invariant at every row count. tests/worker/
-test_invariant_linear.py checks this on the machine it runs on. Cutting the rows into
-fixed tiles of one M (a GEMM call per tile, or one bmm) was also row-invariant but
-measured 2-10x slower on prefill, so padding won.
+measured one) breaks that. :func:`invariant_linear` therefore takes one path per dtype
+(16-bit weights on a CPU without 16-bit arithmetic always take the native kernel, whose
+outputs each sum their K products in one fixed order whatever the row count) and runs
+torch's GEMMs on tiles of exactly ``INVARIANT_ROW_MULTIPLE`` rows, one call per tile, the
+last one zero-padded: the GEMM libraries choose their kernels (and so their order of
+sums) by the whole shape, M included. Padding the rows to a multiple of 8 and making one
+call was enough on the AMD and older Intel AVX-512 CPUs here, and 2-10x faster on
+prefill, but on an AMX Xeon (family 6 model 167) both the float32 and the bf16 GEMM
+changed rows' bits between 8, 16, 64 and 100 rows, and so did one batched call over
+tiles; one call per tile of 8 kept every row identical on every CPU tried.
+tests/worker/test_invariant_linear.py checks this on the machine it runs on.
 """
 from __future__ import annotations
 
@@ -121,14 +120,17 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor,
     pad = -rows % INVARIANT_ROW_MULTIPLE
     if pad:
         x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-    if lacks_half_arithmetic(x.dtype, x.device):
-        if kernel_takes(weight):  # one fixed K order per output, at any row count
-            out = cpu_extension.require().half_linear(x, weight, bias)
-        else:
-            out = F.linear(x.float(), weight.float(),
-                           None if bias is None else bias.float()).to(x.dtype)
+    widen = lacks_half_arithmetic(x.dtype, x.device)
+    if widen and kernel_takes(weight):  # one fixed K order per output, at any row count
+        out = cpu_extension.require().half_linear(x, weight, bias)
     else:
-        out = F.linear(x, weight, bias)
+        if widen:
+            weight = weight.float()
+            bias = None if bias is None else bias.float()
+        # one GEMM call per tile of rows: every row meets the same kernel
+        out = torch.cat([F.linear(x[i:i + INVARIANT_ROW_MULTIPLE].to(weight.dtype), weight,
+                                  bias).to(x.dtype)
+                         for i in range(0, x.shape[0], INVARIANT_ROW_MULTIPLE)])
     return out[:rows].reshape(*shape[:-1], weight.shape[0])
 
 

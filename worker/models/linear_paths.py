@@ -12,7 +12,8 @@ fp16) or block-quantized (a ``PackedWeight``, kernels/quant_linear.py):
 * ``int8``: the quantized kernel's integer route (activations quantized per block);
 * ``bf16dot``: the quantized kernel's bf16 route (Q4_0/Q4_1/Q4_K/Q6_K, AVX512-BF16
   CPUs): bf16 activations times the weights turned into bf16 pairs, ``vdpbf16ps``,
-  products exact in float32 as in ``widen`` (which it is for other activations).
+  products exact in float32 as in ``widen`` (which it is for other activations);
+* ``amx``: the same on AMX tiles (AMX-BF16 CPUs), 16 rows at a time.
 
 Which one is fastest depends on the CPU (bf16/VNNI/AMX instructions, cache sizes), the
 weight's shape and the number of rows, so worker/linear_backend.py times them at load
@@ -35,12 +36,13 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_extension
-from kernels.quant_linear import BEST_INT8, BF16DOT as BF16DOT_ROUTE, Q4_0, Q4_1, Q4_K, Q6_K
+from kernels.quant_linear import AMX as AMX_ROUTE, BEST_INT8, BF16DOT as BF16DOT_ROUTE
+from kernels.quant_linear import Q4_0, Q4_1, Q4_K, Q6_K
 from kernels.quant_linear import WIDEN as WIDEN_ROUTE, PackedWeight, routes_available
 from kernels.quant_linear import quant_linear, weight_rows
 
-NATIVE, KERNEL, WIDEN, INT8, BF16DOT = "native", "kernel", "widen", "int8", "bf16dot"
-PATHS = (NATIVE, KERNEL, WIDEN, INT8, BF16DOT)
+NATIVE, KERNEL, WIDEN, INT8, BF16DOT, AMX = "native", "kernel", "widen", "int8", "bf16dot", "amx"
+PATHS = (NATIVE, KERNEL, WIDEN, INT8, BF16DOT, AMX)
 _BF16DOT_FORMATS = frozenset({Q4_0, Q4_1, Q4_K, Q6_K})  # values of at most 6 bits
 LOSSY = frozenset({INT8})  # paths whose result is not x @ W.T to float rounding
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -99,7 +101,9 @@ def candidates(weight, lossy: bool = True, dtype: torch.dtype | None = None) -> 
     if isinstance(weight, PackedWeight):
         if not cpu_extension.is_available():
             return (NATIVE,)
-        exact = (WIDEN, BF16DOT) if bf16dot_takes(weight, dtype) else (WIDEN,)
+        exact = (WIDEN,)
+        if bf16dot_takes(weight, dtype):
+            exact += (BF16DOT, AMX) if AMX_ROUTE in routes_available() else (BF16DOT,)
         return (*exact, INT8, NATIVE) if lossy else (*exact, NATIVE)
     if weight.dtype in HALF_DTYPES:
         return (NATIVE, KERNEL, WIDEN) if kernel_takes(weight) else (NATIVE, WIDEN)
@@ -111,7 +115,7 @@ def run_path(path: str, x: torch.Tensor, weight, bias: torch.Tensor | None) -> t
     if isinstance(weight, PackedWeight):
         if path == NATIVE:
             return F.linear(x, weight_rows(weight, None, x.dtype), bias)
-        route = {WIDEN: WIDEN_ROUTE, BF16DOT: BF16DOT_ROUTE}.get(path, BEST_INT8)
+        route = {WIDEN: WIDEN_ROUTE, BF16DOT: BF16DOT_ROUTE, AMX: AMX_ROUTE}.get(path, BEST_INT8)
         return quant_linear(x, weight, bias, route)
     if path == KERNEL:
         ops = cpu_extension.require()
