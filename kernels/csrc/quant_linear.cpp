@@ -203,7 +203,7 @@ void run(int64_t route, const Operands& o, int64_t M, int64_t N, const float* bi
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> buf;
 #ifdef FOLIO_QUANT_AMX
-    if (route == kAmx) amx_configure();
+    if (route == kAmx && is_q4(Fmt)) amx_configure<Fmt>();
 #endif
     for (int64_t i = begin; i < end; ++i)
       run_groups<Fmt>(route, o, M, N, i * per_item, std::min(groups, (i + 1) * per_item),

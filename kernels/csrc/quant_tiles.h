@@ -398,23 +398,32 @@ inline void tile_bf16dot(const uint8_t* qs, const uint8_t* sc, int64_t B, const 
 // orders them), and the per-block fix-up is the bf16 route's. Q6_K multiplies each half
 // block (8 pairs) separately, as its scales are per 16 k.
 //
-// Tiles: tmm0 C [16 x 16 floats]; tmm1 A [16 x 16 pairs], tmm2 B [16 pairs x 16];
-// Q6_K: tmm3 A [16 x 8 pairs], tmm4 / tmm6 B of each half [8 pairs x 16], tmm0 / tmm5 C.
+// Tiles, Q4_0/Q4_1/Q4_K: two blocks at a time, tmm0 / tmm5 C [16 x 16 floats], tmm1 /
+// tmm6 A [16 x 16 pairs], tmm2 / tmm7 B [16 pairs x 16] (two chains the hardware can
+// overlap). Q6_K: tmm3 A [16 x 8 pairs], tmm4 / tmm6 B of each half [8 pairs x 16],
+// tmm0 / tmm5 C.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
 
-// Loads this route's tile shapes; each thread, before its first tile op of a call (the
+// Loads the tile shapes for Fmt; each thread, before its first tile op of a call (the
 // registers' shapes are per thread, and torch's own AMX GEMMs load theirs).
+template <int64_t Fmt>
 inline void amx_configure() {
   static const TileConfig config = [] {
     TileConfig c;
-    const int shapes[7][2] = {{16, 64}, {16, 64}, {16, 64}, {16, 32}, {8, 64}, {16, 64}, {8, 64}};
-    for (int t = 0; t < 7; ++t) {
-      c.rows[t] = static_cast<uint8_t>(shapes[t][0]);
-      c.colsb[t] = static_cast<uint16_t>(shapes[t][1]);
+    const auto shape = [&](int t, int rows, int bytes) {
+      c.rows[t] = static_cast<uint8_t>(rows);
+      c.colsb[t] = static_cast<uint16_t>(bytes);
+    };
+    if constexpr (split_halves(Fmt)) {
+      for (int t : {0, 5}) shape(t, 16, 64);
+      shape(3, 16, 32);
+      for (int t : {4, 6}) shape(t, 8, 64);
+    } else {
+      for (int t : {0, 1, 2, 5, 6, 7}) shape(t, 16, 64);
     }
     return c;
   }();
@@ -433,8 +442,11 @@ inline void group_amx(const uint8_t* qs, const uint8_t* sc, int64_t B, const uin
   constexpr int H = split_halves(Fmt) ? 2 : 1;
   constexpr int kTile = (kBlock / 2) * kGroupRows;  // 32-bit words per B tile
   const int64_t stride = ldxp * static_cast<int64_t>(sizeof(uint32_t));
+  // per block and part: D, then E = M - (128 + offset) D, so that a part's sums p add
+  // D p + E xs (M: Q4_1's and Q4_K's per-block minimum, else 0)
+  constexpr float kOff = 128.f + offset_of(Fmt);
   tiles.resize(static_cast<size_t>(B * kTile));
-  scales.resize(static_cast<size_t>(B * (H + 1) * kGroupRows));  // D per part, then M
+  scales.resize(static_cast<size_t>(B * 2 * H * kGroupRows));
   for (int64_t b = 0; b < B; ++b) {
     uint32_t* w = tiles.data() + b * kTile;
     block_bf16_pairs<Fmt>(qs + b * qs_bytes(Fmt), [&](int c, const __m512i (&pair)[4]) {
@@ -442,45 +454,64 @@ inline void group_amx(const uint8_t* qs, const uint8_t* sc, int64_t B, const uin
     });
     alignas(64) float D[2][16], Mn[2][16];
     block_scales<Fmt>(sc, b, D, Mn);
-    float* s = scales.data() + b * (H + 1) * kGroupRows;
-    for (int h = 0; h < H; ++h) std::memcpy(s + h * kGroupRows, D[h], sizeof D[h]);
-    if constexpr (has_min(Fmt)) std::memcpy(s + H * kGroupRows, Mn[0], sizeof Mn[0]);
+    float* s = scales.data() + b * 2 * H * kGroupRows;
+    for (int h = 0; h < H; ++h)
+      for (int j = 0; j < kGroupRows; ++j) {
+        s[2 * h * kGroupRows + j] = D[h][j];
+        s[(2 * h + 1) * kGroupRows + j] = (has_min(Fmt) ? Mn[0][j] : 0.f) - kOff * D[h][j];
+      }
   }
-  constexpr float kOff = 128.f + offset_of(Fmt);
-  alignas(64) float part[H][16][kGroupRows];
+  alignas(64) float part[2][16][kGroupRows];
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
     const int64_t rows = std::min<int64_t>(16, M - m0);
     __m512 acc[16];
     for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < B; ++b) {
-      const uint32_t* a = xp + m0 * ldxp + b * (kBlock / 2);
-      const uint32_t* w = tiles.data() + b * kTile;
-      _tile_zero(0);
-      if constexpr (H == 1) {
-        _tile_loadd(2, w, 64);
-        _tile_loadd(1, a, stride);
+    // a part's sums into acc: D p + E xs (the rows past M hold zeros: their xs stay 0)
+    const auto add = [&](int64_t b, int h, const float (&p)[16][kGroupRows]) {
+      const float* s = scales.data() + (b * 2 * H + 2 * h) * kGroupRows;
+      const __m512 d = _mm512_loadu_ps(s), e = _mm512_loadu_ps(s + kGroupRows);
+      for (int r = 0; r < 16; ++r) {
+        const float xs = r < rows ? xsum[((m0 + r) * B + b) * H + h] : 0.f;
+        acc[r] = _mm512_fmadd_ps(_mm512_load_ps(p[r]), d, acc[r]);
+        acc[r] = _mm512_fmadd_ps(e, _mm512_set1_ps(xs), acc[r]);
+      }
+    };
+    const uint32_t* a = xp + m0 * ldxp;
+    if constexpr (H == 1) {
+      for (int64_t b = 0; b < B; b += 2) {
+        const bool two = b + 1 < B;
+        _tile_zero(0);
+        _tile_loadd(2, tiles.data() + b * kTile, 64);
+        _tile_loadd(1, a + b * (kBlock / 2), stride);
         _tile_dpbf16ps(0, 1, 2);
+        if (two) {
+          _tile_zero(5);
+          _tile_loadd(7, tiles.data() + (b + 1) * kTile, 64);
+          _tile_loadd(6, a + (b + 1) * (kBlock / 2), stride);
+          _tile_dpbf16ps(5, 6, 7);
+        }
         _tile_stored(0, part[0], 64);
-      } else {
+        add(b, 0, part[0]);
+        if (two) {
+          _tile_stored(5, part[1], 64);
+          add(b + 1, 0, part[1]);
+        }
+      }
+    } else {
+      for (int64_t b = 0; b < B; ++b) {
+        const uint32_t* w = tiles.data() + b * kTile;
+        _tile_zero(0);
         _tile_zero(5);
         _tile_loadd(4, w, 64);
         _tile_loadd(6, w + 8 * kGroupRows, 64);
-        _tile_loadd(3, a, stride);
+        _tile_loadd(3, a + b * (kBlock / 2), stride);
         _tile_dpbf16ps(0, 3, 4);
-        _tile_loadd(3, a + 8, stride);
+        _tile_loadd(3, a + b * (kBlock / 2) + 8, stride);
         _tile_dpbf16ps(5, 3, 6);
         _tile_stored(0, part[0], 64);
         _tile_stored(5, part[1], 64);
-      }
-      const float* s = scales.data() + b * (H + 1) * kGroupRows;
-      const __m512 mn = has_min(Fmt) ? _mm512_loadu_ps(s + H * kGroupRows) : _mm512_setzero_ps();
-      for (int r = 0; r < 16; ++r) {  // the rows past M hold zeros: their xs stay 0
-        for (int h = 0; h < H; ++h) {
-          const float xs = r < rows ? xsum[((m0 + r) * B + b) * H + h] : 0.f;
-          const __m512 sum = _mm512_sub_ps(_mm512_load_ps(part[h][r]), _mm512_set1_ps(kOff * xs));
-          acc[r] = _mm512_fmadd_ps(sum, _mm512_loadu_ps(s + h * kGroupRows), acc[r]);
-          if constexpr (has_min(Fmt)) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(xs), acc[r]);
-        }
+        add(b, 0, part[0]);
+        add(b, 1, part[1]);
       }
     }
     for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(out + (m0 + r) * kGroupRows, acc[r]);
