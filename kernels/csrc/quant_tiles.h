@@ -461,7 +461,7 @@ inline void group_amx(const uint8_t* qs, const uint8_t* sc, int64_t B, const uin
         s[(2 * h + 1) * kGroupRows + j] = (has_min(Fmt) ? Mn[0][j] : 0.f) - kOff * D[h][j];
       }
   }
-  alignas(64) float part[2][16][kGroupRows];
+  alignas(64) float part[2][2][16][kGroupRows];  // [slot][block or half]
   for (int64_t m0 = 0; m0 < M; m0 += 16) {
     const int64_t rows = std::min<int64_t>(16, M - m0);
     __m512 acc[16];
@@ -476,42 +476,49 @@ inline void group_amx(const uint8_t* qs, const uint8_t* sc, int64_t B, const uin
         acc[r] = _mm512_fmadd_ps(e, _mm512_set1_ps(xs), acc[r]);
       }
     };
+    // Tile products of `step` blocks from b on into buf: two blocks (Q6_K: the two
+    // halves of one), one C tile each. They are issued one step ahead of the fix-ups
+    // that read them, so a tile store has landed in L1 before its rows are loaded.
+    constexpr int64_t step = H == 1 ? 2 : 1;
     const uint32_t* a = xp + m0 * ldxp;
-    if constexpr (H == 1) {
-      for (int64_t b = 0; b < B; b += 2) {
-        const bool two = b + 1 < B;
-        _tile_zero(0);
-        _tile_loadd(2, tiles.data() + b * kTile, 64);
-        _tile_loadd(1, a + b * (kBlock / 2), stride);
+    const auto issue = [&](int64_t b, float (&buf)[2][16][kGroupRows]) {
+      const uint32_t* w = tiles.data() + b * kTile;
+      const uint32_t* ab = a + b * (kBlock / 2);
+      _tile_zero(0);
+      if constexpr (H == 1) {
+        _tile_loadd(2, w, 64);
+        _tile_loadd(1, ab, stride);
         _tile_dpbf16ps(0, 1, 2);
-        if (two) {
+        _tile_stored(0, buf[0], 64);
+        if (b + 1 < B) {
           _tile_zero(5);
-          _tile_loadd(7, tiles.data() + (b + 1) * kTile, 64);
-          _tile_loadd(6, a + (b + 1) * (kBlock / 2), stride);
+          _tile_loadd(7, w + kTile, 64);
+          _tile_loadd(6, ab + kBlock / 2, stride);
           _tile_dpbf16ps(5, 6, 7);
+          _tile_stored(5, buf[1], 64);
         }
-        _tile_stored(0, part[0], 64);
-        add(b, 0, part[0]);
-        if (two) {
-          _tile_stored(5, part[1], 64);
-          add(b + 1, 0, part[1]);
-        }
-      }
-    } else {
-      for (int64_t b = 0; b < B; ++b) {
-        const uint32_t* w = tiles.data() + b * kTile;
-        _tile_zero(0);
+      } else {
         _tile_zero(5);
         _tile_loadd(4, w, 64);
         _tile_loadd(6, w + 8 * kGroupRows, 64);
-        _tile_loadd(3, a + b * (kBlock / 2), stride);
+        _tile_loadd(3, ab, stride);
         _tile_dpbf16ps(0, 3, 4);
-        _tile_loadd(3, a + b * (kBlock / 2) + 8, stride);
+        _tile_loadd(3, ab + 8, stride);
         _tile_dpbf16ps(5, 3, 6);
-        _tile_stored(0, part[0], 64);
-        _tile_stored(5, part[1], 64);
-        add(b, 0, part[0]);
-        add(b, 1, part[1]);
+        _tile_stored(0, buf[0], 64);
+        _tile_stored(5, buf[1], 64);
+      }
+    };
+    issue(0, part[0]);
+    for (int64_t b = 0; b < B; b += step) {
+      const int slot = static_cast<int>((b / step) & 1);
+      if (b + step < B) issue(b + step, part[slot ^ 1]);
+      for (int i = 0; i < 2; ++i) {
+        if constexpr (H == 1) {
+          if (b + i < B) add(b + i, 0, part[slot][i]);
+        } else {
+          add(b, i, part[slot][i]);
+        }
       }
     }
     for (int64_t r = 0; r < rows; ++r) _mm512_storeu_ps(out + (m0 + r) * kGroupRows, acc[r]);
