@@ -8,8 +8,9 @@
 //   route 5  bf16 pairs into `vdpbf16ps`              (built when -march=native has
 //            AVX512-BF16; Q4_0/Q4_1/Q4_K/Q6_K with bf16 activations, else route 4)
 //   route 6  route 5 on AMX tiles, `tdpbf16ps`       (built when -march=native has
-//            AMX-BF16 and the kernel grants this process the tile state; Q4_0/Q4_1/
-//            Q4_K/Q6_K with bf16 activations, else route 4)
+//            AMX-BF16 and the kernel grants this process the tile state; every
+//            format (Q8_0 converted to bf16, exactly) with bf16 activations, else
+//            route 4)
 //   route 0  the best int8 route built here (1, else 2, else 3)
 //
 // Work split: threads take groups of 16 weight rows; each group meets the activation
@@ -160,7 +161,7 @@ void run_groups(int64_t route, const Operands& o, int64_t M, int64_t N, int64_t 
   buf.resize(static_cast<size_t>(M * span));
   bool done = false;
 #ifdef FOLIO_QUANT_AMX
-  if constexpr (is_q4(Fmt)) {
+  {
     if (route == kAmx) {  // all M rows of a group at once
       thread_local std::vector<float> rows_out, scales;
       thread_local std::vector<uint32_t> tiles;
@@ -203,7 +204,7 @@ void run(int64_t route, const Operands& o, int64_t M, int64_t N, const float* bi
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> buf;
 #ifdef FOLIO_QUANT_AMX
-    if (route == kAmx && is_q4(Fmt)) amx_configure<Fmt>();
+    if (route == kAmx) amx_configure<Fmt>();
 #endif
     for (int64_t i = begin; i < end; ++i)
       run_groups<Fmt>(route, o, M, N, i * per_item, std::min(groups, (i + 1) * per_item),
@@ -261,9 +262,9 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
   check_operands(x_in, qs, scales, fmt, n, route);
   if (route == kBestInt8) route = built_routes().front();
   // the bf16 routes take 4-bit formats and bf16 activations; the same product otherwise
-  if ((route == kBf16Dot || route == kAmx) &&
-      (x_in.scalar_type() != at::kBFloat16 || fmt == kQ8_0))
+  if ((route == kBf16Dot || route == kAmx) && x_in.scalar_type() != at::kBFloat16)
     route = kWiden;
+  if (route == kBf16Dot && fmt == kQ8_0) route = kWiden;
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, n}, x.options());

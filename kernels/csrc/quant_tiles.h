@@ -391,7 +391,7 @@ inline void tile_bf16dot(const uint8_t* qs, const uint8_t* sc, int64_t B, const 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define FOLIO_QUANT_AMX 1
 
-// The AMX route: the bf16 route's pairs as tiles. One block of a group's 16 weight rows
+// The AMX route: the bf16 route's pairs as tiles (and Q8_0's values converted to bf16). One block of a group's 16 weight rows
 // is exactly one B tile (16 bf16 pairs along k x 16 rows: pair vector r of the block is
 // tile row r) and 16 activation rows of `xp` are one A tile, so one `tdpbf16ps` does the
 // block's 16 x 16 x 32 products (exact in float32, summed in float32 as the hardware
@@ -430,6 +430,23 @@ inline void amx_configure() {
   _tile_loadconfig(&config);
 }
 
+// A Q8_0 block's 16 B-tile rows: chunk c (k 4c..4c+3 of each row, as u = q + 128) gives
+// rows 2c (k 4c, 4c + 2) and 2c + 1 (k 4c + 1, 4c + 3), the pairs of `xp`'s order, each
+// value the bf16 of q itself (|q| <= 128: exact).
+inline void q8_bf16_rows(const uint8_t* q, uint32_t* w) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const auto to_bf16 = [](const __m512i& v) {  // 32 int16 -> 32 bf16, in order
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(v)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(v, 1)));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  };
+  for (int c = 0; c < 8; ++c) {
+    const __m512i v = _mm512_xor_si512(_mm512_loadu_si512(q + 64 * c), flip);  // q, signed
+    _mm512_storeu_si512(w + (2 * c) * kGroupRows, to_bf16(_mm512_srai_epi16(_mm512_slli_epi16(v, 8), 8)));
+    _mm512_storeu_si512(w + (2 * c + 1) * kGroupRows, to_bf16(_mm512_srai_epi16(v, 8)));
+  }
+}
+
 // Rows [0, M) of x against one group of 16 weight rows, into out [M][16]. `xp` holds
 // M rounded up to 16 rows, the rows past M zero. The group's blocks are turned into B
 // tiles once (`tiles`, B KB: L2-resident for any model's k), then each 16 rows of x
@@ -438,20 +455,25 @@ template <int64_t Fmt>
 inline void group_amx(const uint8_t* qs, const uint8_t* sc, int64_t B, const uint32_t* xp,
                       int64_t ldxp, const float* xsum, int64_t M, float* out,
                       std::vector<uint32_t>& tiles, std::vector<float>& scales) {
-  static_assert(is_q4(Fmt), "values of at most 6 bits");
   constexpr int H = split_halves(Fmt) ? 2 : 1;
   constexpr int kTile = (kBlock / 2) * kGroupRows;  // 32-bit words per B tile
   const int64_t stride = ldxp * static_cast<int64_t>(sizeof(uint32_t));
   // per block and part: D, then E = M - (128 + offset) D, so that a part's sums p add
-  // D p + E xs (M: Q4_1's and Q4_K's per-block minimum, else 0)
-  constexpr float kOff = 128.f + offset_of(Fmt);
+  // D p + E xs (M: Q4_1's and Q4_K's per-block minimum, else 0). Q8_0's tiles hold q
+  // itself: no offset, no E.
+  constexpr bool kHasE = is_q4(Fmt);
+  constexpr float kOff = kHasE ? 128.f + offset_of(Fmt) : 0.f;
   tiles.resize(static_cast<size_t>(B * kTile));
   scales.resize(static_cast<size_t>(B * 2 * H * kGroupRows));
   for (int64_t b = 0; b < B; ++b) {
     uint32_t* w = tiles.data() + b * kTile;
-    block_bf16_pairs<Fmt>(qs + b * qs_bytes(Fmt), [&](int c, const __m512i (&pair)[4]) {
-      for (int p = 0; p < 4; ++p) _mm512_storeu_si512(w + (4 * c + p) * kGroupRows, pair[p]);
-    });
+    if constexpr (Fmt == kQ8_0) {
+      q8_bf16_rows(qs + b * qs_bytes(Fmt), w);
+    } else {
+      block_bf16_pairs<Fmt>(qs + b * qs_bytes(Fmt), [&](int c, const __m512i (&pair)[4]) {
+        for (int p = 0; p < 4; ++p) _mm512_storeu_si512(w + (4 * c + p) * kGroupRows, pair[p]);
+      });
+    }
     alignas(64) float D[2][16], Mn[2][16];
     block_scales<Fmt>(sc, b, D, Mn);
     float* s = scales.data() + b * 2 * H * kGroupRows;
@@ -471,9 +493,11 @@ inline void group_amx(const uint8_t* qs, const uint8_t* sc, int64_t B, const uin
       const float* s = scales.data() + (b * 2 * H + 2 * h) * kGroupRows;
       const __m512 d = _mm512_loadu_ps(s), e = _mm512_loadu_ps(s + kGroupRows);
       for (int r = 0; r < 16; ++r) {
-        const float xs = r < rows ? xsum[((m0 + r) * B + b) * H + h] : 0.f;
         acc[r] = _mm512_fmadd_ps(_mm512_load_ps(p[r]), d, acc[r]);
-        acc[r] = _mm512_fmadd_ps(e, _mm512_set1_ps(xs), acc[r]);
+        if constexpr (kHasE) {
+          const float xs = r < rows ? xsum[((m0 + r) * B + b) * H + h] : 0.f;
+          acc[r] = _mm512_fmadd_ps(e, _mm512_set1_ps(xs), acc[r]);
+        }
       }
     };
     // Tile products of `step` blocks from b on into buf: two blocks (Q6_K: the two

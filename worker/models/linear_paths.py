@@ -13,7 +13,8 @@ fp16) or block-quantized (a ``PackedWeight``, kernels/quant_linear.py):
 * ``bf16dot``: the quantized kernel's bf16 route (Q4_0/Q4_1/Q4_K/Q6_K, AVX512-BF16
   CPUs): bf16 activations times the weights turned into bf16 pairs, ``vdpbf16ps``,
   products exact in float32 as in ``widen`` (which it is for other activations);
-* ``amx``: the same on AMX tiles (AMX-BF16 CPUs), 16 rows at a time.
+* ``amx``: the same on AMX tiles (AMX-BF16 CPUs), 16 rows at a time, for every format
+  (Q8_0's values converted to bf16, exactly).
 
 Which one is fastest depends on the CPU (bf16/VNNI/AMX instructions, cache sizes), the
 weight's shape and the number of rows, so worker/linear_backend.py times them at load
@@ -94,6 +95,13 @@ def bf16dot_takes(weight, dtype: torch.dtype | None) -> bool:
             and dtype in (None, torch.bfloat16) and BF16DOT_ROUTE in routes_available())
 
 
+def amx_takes(weight, dtype: torch.dtype | None) -> bool:
+    """Whether the AMX route computes (rather than falls back to widening): any packed
+    format, bf16 activations (``dtype`` None: any), AMX-BF16 built and granted."""
+    return (isinstance(weight, PackedWeight) and dtype in (None, torch.bfloat16)
+            and AMX_ROUTE in routes_available())
+
+
 def candidates(weight, lossy: bool = True, dtype: torch.dtype | None = None) -> tuple[str, ...]:
     """The paths that can run this weight on this machine (the first is the default);
     ``lossy=False`` leaves out the ``LOSSY`` ones (what the measured choice picks from);
@@ -101,9 +109,8 @@ def candidates(weight, lossy: bool = True, dtype: torch.dtype | None = None) -> 
     if isinstance(weight, PackedWeight):
         if not cpu_extension.is_available():
             return (NATIVE,)
-        exact = (WIDEN,)
-        if bf16dot_takes(weight, dtype):
-            exact += (BF16DOT, AMX) if AMX_ROUTE in routes_available() else (BF16DOT,)
+        exact = (WIDEN,) + ((BF16DOT,) if bf16dot_takes(weight, dtype) else ())
+        exact += (AMX,) if amx_takes(weight, dtype) else ()
         return (*exact, INT8, NATIVE) if lossy else (*exact, NATIVE)
     if weight.dtype in HALF_DTYPES:
         return (NATIVE, KERNEL, WIDEN) if kernel_takes(weight) else (NATIVE, WIDEN)
