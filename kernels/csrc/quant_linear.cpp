@@ -296,7 +296,10 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
                                       (static_cast<uint32_t>(row[8 * c + kLow[p] + 2].x) << 16);
     }
     o.xp = xp.data();
-    o.xsum = block_sums(xb, x.stride(0), M, K, fmt, xsum);
+    block_sums(xb, x.stride(0), M, K, fmt, xsum);
+    const size_t parts = xsum.size() / static_cast<size_t>(M);
+    xsum.resize(static_cast<size_t>(padded) * parts, 0.f);  // zero past M
+    o.xsum = xsum.data();
   }
   if (route == kWiden) {
     xf = x.to(at::kFloat).contiguous();
@@ -304,7 +307,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
     o.xsum = block_sums(o.xf, K, M, K, fmt, xsum);
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear", [&] {
-    if (route != kWiden && route != kBf16Dot)
+    if (route != kWiden && route != kBf16Dot && route != kAmx)  // the int8 routes
       quantize_rows(x.const_data_ptr<scalar_t>(), x.stride(0), M, K, xr);
     run_format(fmt, route, o, M, n, bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr,
                out.data_ptr<scalar_t>());
