@@ -196,8 +196,9 @@ void run_groups(int64_t route, const Operands& o, int64_t M, int64_t N, int64_t 
 template <int64_t Fmt, typename O>
 void run(int64_t route, const Operands& o, int64_t M, int64_t N, const float* bias, O* y) {
   const int64_t groups = (N + kGroupRows - 1) / kGroupRows;
-  // one tile of rows: groups go straight out; more: 4 groups (64 columns) at a time
-  const int64_t per_item = M > kMR ? 4 : 1;
+  // one tile of rows: groups go straight out; more: 4 groups (64 columns) at a time;
+  // AMX: 2, so that a 576-row layer's 36 groups split evenly between two threads
+  const int64_t per_item = route == kAmx ? 2 : M > kMR ? 4 : 1;
   const int64_t items = (groups + per_item - 1) / per_item;
   const int64_t work = std::max<int64_t>(1, M * o.B * kBlock * kGroupRows * per_item);
   const int64_t grain = std::max<int64_t>(1, 65536 / work);  // ~64K multiply-adds a chunk
