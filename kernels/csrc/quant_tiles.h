@@ -66,6 +66,19 @@ inline void bytes_to_float(const uint8_t* p, float* out) {
 #endif
 }
 
+// At one activation row a tile streams its weights once, doing little arithmetic per
+// byte, and the hardware prefetchers alone kept one core to about 6-7 GB/s on an AMX Xeon
+// (a model's 672 MB of Q4_K_M weights read at 12 GB/s by two threads, against 25 GB/s
+// for a plain sum): a block 2 KB ahead is requested with each block (8 Q4 blocks; past
+// the group's end it is the next group's, past the tensor's end a harmless miss).
+// 2 KB measured best of 1, 2, 3 and 4 KB (20 GB/s).
+constexpr int kPrefetchBytes = 2048;
+
+template <int64_t Fmt>
+inline void prefetch_ahead(const uint8_t* q) {
+  for (int l = 0; l < qs_bytes(Fmt); l += 64) __builtin_prefetch(q + kPrefetchBytes + l);
+}
+
 inline int32_t word_at(const int8_t* p) {  // 4 int8 as one 32-bit word (to broadcast)
   int32_t w;
   std::memcpy(&w, p, sizeof w);
@@ -163,6 +176,8 @@ inline void tile_vnni512(const uint8_t* qs, const uint8_t* sc, int64_t B,
     }
     if (ahead != nullptr)  // the next group's block: re-reading this one stops the prefetcher
       for (int c = 0; c < qs_bytes(Fmt) / 64; ++c) __builtin_prefetch(ahead + b * qs_bytes(Fmt) + 64 * c);
+    else if constexpr (MR == 1)
+      prefetch_ahead<Fmt>(q);
     __m512 d, mins = _mm512_setzero_ps(), d1 = _mm512_setzero_ps();
     if constexpr (is_k(Fmt)) {
       alignas(64) float D[2][16], M[2][16];
@@ -385,6 +400,7 @@ inline void tile_bf16dot(const uint8_t* qs, const uint8_t* sc, int64_t B, const 
     for (int r = 0; r < MR; ++r)
       for (int h = 0; h < H; ++h)
         for (int i = 0; i < C; ++i) part[r][h][i] = _mm512_setzero_ps();
+    if constexpr (MR == 1) prefetch_ahead<Fmt>(qs + b * qs_bytes(Fmt));
     block_bf16_pairs<Fmt>(qs + b * qs_bytes(Fmt), [&](int c, const __m512i (&pair)[4]) {
       const int h = H == 2 ? c / 2 : 0;
       for (int p = 0; p < 4; ++p)
@@ -674,6 +690,7 @@ inline void tile_widen(const uint8_t* qs, const uint8_t* sc, int64_t B, const fl
     alignas(64) float D[2][16], M[2][16];
     block_scales<Fmt>(sc, b, D, M);
     const uint8_t* q = qs + b * qs_bytes(Fmt);
+    if constexpr (MR == 1) prefetch_ahead<Fmt>(q);
     const float* xb = x + m0 * ldx + b * kBlock;
     // through a laundered pointer, so that each scaled x is read back as the broadcast
     // operand of its FMA (GCC had kept them in registers and broadcast them with vpermd)
