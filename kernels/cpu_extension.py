@@ -55,7 +55,7 @@ _SOURCES = [_CSRC / "paged_attention_decode.cpp", _CSRC / "half_linear.cpp",
             _CSRC / "decode_layer.cpp"]
 # torch only tracks `sources`: headers are hashed into the name
 _HEADERS = [_CSRC / "cpu_vec.h", _CSRC / "quant_pack.h", _CSRC / "quant_tiles.h",
-            _CSRC / "kernel_entries.h"]
+            _CSRC / "kernel_entries.h", _CSRC / "scratch.h"]
 # -fopenmp: at::parallel_for's OpenMP backend is inline in the torch headers, and
 # `#pragma omp simd` marks the reductions vectorisable without -ffast-math.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG", "-w"]

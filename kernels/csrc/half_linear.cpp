@@ -34,6 +34,7 @@
 
 #include "cpu_vec.h"
 #include "kernel_entries.h"
+#include "scratch.h"
 
 namespace folio {
 namespace {
@@ -205,6 +206,7 @@ void dispatch(const at::Tensor& x, const at::Tensor& weight, const float* bias,
     x_in_chunk_order<W>(x.const_data_ptr<scalar_t>(), M, K, x.stride(0), xbuf.data());
     run(xbuf.data(), M, K, w, weight.stride(0), N, bias, out.data_ptr<scalar_t>());
   });
+  release_if_large(xbuf);
 }
 
 }  // namespace

@@ -30,6 +30,7 @@
 #endif
 
 #include "kernel_entries.h"
+#include "scratch.h"
 #include "quant_tiles.h"
 
 namespace folio::quant {
@@ -313,6 +314,9 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
     run_format(fmt, route, o, M, n, bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr,
                out.data_ptr<scalar_t>());
   });
+  release_if_large(xp);
+  release_if_large(xsum);
+  release_if_large(xr.q);
   return out;
 }
 
