@@ -42,7 +42,8 @@ async def _arrivals(requests: list[BenchRequest], spec: LoadSpec):
 # A pooled keep-alive connection the server already closed fails before any answer
 # (some servers, llama.cpp's cpp-httplib among them, close them after a few requests):
 # that is the client's connection handling, not a server failure, so the request is
-# sent again on a fresh connection.
+# sent again on a connection of its own, never taken from the pool (at 32 clients the
+# pool can hold several stale ones: retrying through it once failed four times running).
 STALE_CONNECTION_RETRIES = 3
 
 
@@ -57,7 +58,12 @@ async def _one(session, url: str, model: str, req: BenchRequest, ignore_eos: boo
     for attempt in range(STALE_CONNECTION_RETRIES + 1):
         answered = []  # set once the server sent a status line: no retry after that
         try:
-            return await _stream(session, url, body, record, start, answered)
+            if attempt == 0:
+                return await _stream(session, url, body, record, start, answered)
+            async with aiohttp.ClientSession(
+                    timeout=session.timeout,
+                    connector=aiohttp.TCPConnector(force_close=True)) as fresh:
+                return await _stream(fresh, url, body, record, start, answered)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
             if answered or attempt == STALE_CONNECTION_RETRIES:
                 record.error = f"{type(e).__name__}: {e}"[:200]
