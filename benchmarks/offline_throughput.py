@@ -39,7 +39,8 @@ def make_workload(n, seed, prompt_range, output_range, vocab_size):
 
 def run_folio(reqs, args):
     from folio import LLM, SamplingParams
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+    llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
+              max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=1024, enable_prefix_caching=False,
               kv_cache_bytes=int(args.kv_cache_gib * 1024 ** 3),
@@ -112,6 +113,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    ap.add_argument("--quantization", default="none", choices=["none", "auto"],
+                    help="Folio's model.quantization (auto: a quantized GGUF stays "
+                         "quantized); HF always runs the dequantised weights in --dtype")
     ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512])
     ap.add_argument("--output-len", type=int, nargs=2, default=[32, 256])
@@ -132,7 +136,8 @@ def main():
                            "output_len": args.output_len, "seed": args.seed,
                            "prompt_tokens": sum(len(p) for p, _ in reqs),
                            "output_tokens": sum(o for _, o in reqs)},
-              "model": args.model, "dtype": args.dtype, "threads": args.threads,
+              "model": args.model, "dtype": args.dtype, "quantization": args.quantization,
+              "threads": args.threads,
               "machine": machine_facts()}
     result["folio"] = run_folio(reqs, args)
     result["folio"]["output_tok_s"] = result["folio"]["output_tokens"] / result["folio"]["seconds"]
