@@ -161,7 +161,7 @@ def test_quantization_choices_are_checked(tiny_llama_dir):
     with pytest.raises(ConfigError, match="model.quantization"):
         ModelConfig(quantization="q4")
     with pytest.raises(ConfigError, match="worker.linear_backend"):
-        WorkerConfig(linear_backend="amx")
+        WorkerConfig(linear_backend="fastest")
 
 
 def test_fused_parts_of_different_formats_are_packed_apart(q_gguf):
