@@ -160,21 +160,19 @@ void run_groups(int64_t route, const Operands& o, int64_t M, int64_t N, int64_t 
   const int64_t groups = (N + kGroupRows - 1) / kGroupRows;
   const int64_t span = (g1 - g0) * kGroupRows;
   buf.resize(static_cast<size_t>(M * span));
-  bool done = false;
+  bool done = false;  // the AMX route takes all M rows of a group at once
 #ifdef FOLIO_QUANT_AMX
-  {
-    if (route == kAmx) {  // all M rows of a group at once
-      thread_local std::vector<float> rows_out, scales;
-      thread_local std::vector<uint32_t> tiles;
-      rows_out.resize(static_cast<size_t>(M * kGroupRows));
-      for (int64_t g = g0; g < g1; ++g) {
-        group_amx<Fmt>(o.qs + g * o.B * qs_bytes(Fmt), o.scales + g * group_scale_bytes(Fmt, o.B),
-                       o.B, o.xp, o.B * kBlock / 2, o.xsum, M, rows_out.data(), tiles, scales);
-        store(rows_out.data(), kGroupRows, M, kGroupRows, nullptr,
-              buf.data() + (g - g0) * kGroupRows, span);
-      }
-      done = true;
+  if (route == kAmx) {
+    thread_local std::vector<float> rows_out, scales;
+    thread_local std::vector<uint32_t> tiles;
+    rows_out.resize(static_cast<size_t>(M * kGroupRows));
+    for (int64_t g = g0; g < g1; ++g) {
+      group_amx<Fmt>(o.qs + g * o.B * qs_bytes(Fmt), o.scales + g * group_scale_bytes(Fmt, o.B),
+                     o.B, o.xp, o.B * kBlock / 2, o.xsum, M, rows_out.data(), tiles, scales);
+      store(rows_out.data(), kGroupRows, M, kGroupRows, nullptr,
+            buf.data() + (g - g0) * kGroupRows, span);
     }
+    done = true;
   }
 #endif
   alignas(64) float acc[kMR * kGroupRows];
@@ -263,7 +261,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
                         int64_t route) {
   check_operands(x_in, qs, scales, fmt, n, route);
   if (route == kBestInt8) route = built_routes().front();
-  // the bf16 routes take 4-bit formats and bf16 activations; the same product otherwise
+  // the bf16 routes take bf16 activations (vdpbf16ps: not Q8_0); the same product otherwise
   if ((route == kBf16Dot || route == kAmx) && x_in.scalar_type() != at::kBFloat16)
     route = kWiden;
   if (route == kBf16Dot && fmt == kQ8_0) route = kWiden;
