@@ -296,10 +296,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
                                       (static_cast<uint32_t>(row[8 * c + kLow[p] + 2].x) << 16);
     }
     o.xp = xp.data();
-    block_sums(xb, x.stride(0), M, K, fmt, xsum);
-    const size_t parts = xsum.size() / static_cast<size_t>(M);
-    xsum.resize(static_cast<size_t>(padded) * parts, 0.f);  // zero past M
-    o.xsum = xsum.data();
+    o.xsum = block_sums(xb, x.stride(0), M, K, fmt, xsum);
   }
   if (route == kWiden) {
     xf = x.to(at::kFloat).contiguous();

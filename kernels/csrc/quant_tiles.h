@@ -346,6 +346,7 @@ inline void tile_avx2(const uint8_t* qs, const uint8_t* sc, int64_t B,
 // each pair's two top bits in from its plane (bits 2f of byte t for k = 16h + 4f + t),
 // shifted to bits 4-5 of each half. Against the widening route: about half the vector
 // instructions per weight.
+
 // The four bf16 pair vectors of Q4 chunk c (k (0, 2), (1, 3), (4, 6), (5, 7) of the
 // chunk, lane j = row j), each 16-bit half the bf16 of 128 + u; for Q6_K `plane` is the
 // chunk's top-bit plane shifted right by 2f (f = 2 (c % 2)).
@@ -428,9 +429,10 @@ inline void tile_bf16dot(const uint8_t* qs, const uint8_t* sc, int64_t B, const 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define FOLIO_QUANT_AMX 1
 
-// The AMX route: the bf16 route's pairs as tiles (and Q8_0's values converted to bf16). One block of a group's 16 weight rows
-// is exactly one B tile (16 bf16 pairs along k x 16 rows: pair vector r of the block is
-// tile row r) and 16 activation rows of `xp` are one A tile, so one `tdpbf16ps` does the
+// The AMX route: the bf16 route's pairs as tiles (and Q8_0's values converted to bf16).
+// One block of a group's 16 weight rows is exactly one B tile (16 bf16 pairs along k x
+// 16 rows: pair vector r of the block is tile row r) and 16 activation rows of `xp` are
+// one A tile, so one `tdpbf16ps` does the
 // block's 16 x 16 x 32 products (exact in float32, summed in float32 as the hardware
 // orders them), and the per-block fix-up is the bf16 route's. Q6_K multiplies each half
 // block (8 pairs) separately, as its scales are per 16 k.
