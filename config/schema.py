@@ -158,7 +158,7 @@ class WorkerConfig:
                              "shape and row count (cached per CPU); native|kernel|widen|"
                              "bf16dot|amx force one where it applies (bf16dot: Q4_0/Q4_1/"
                              "Q4_K/Q6_K weights, bf16 activations, AVX512-BF16; amx: the "
-                             "same on AMX-BF16 tiles); int8 (quantized "
+                             "same on AMX-BF16 tiles, Q8_0 too); int8 (quantized "
                              "weights only: "
                              "activations quantized per block of 32, faster from a few "
                              "rows on, less accurate; auto never picks it) forces the "
