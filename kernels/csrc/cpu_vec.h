@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
@@ -98,6 +99,62 @@ inline vf load(const c10::Float8_e4m3fn* p) {
 }
 
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// Storing kLanes floats as bf16 / fp16 rounds them as c10's scalar conversions do (to
+// nearest, ties to even; a bf16 NaN becomes 0x7FC0), so vector and scalar code agree bit
+// for bit.
+typedef uint32_t vu __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+typedef uint16_t vh __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+
+inline vu bf16_bits(vf v) {  // the bf16 of each lane, in its low 16 bits
+  vu u;
+  std::memcpy(&u, &v, sizeof u);
+  const vu rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (v != v) ? vu{} + 0x7FC0u : rounded;
+}
+
+inline void store(c10::BFloat16* p, vf v) {
+  const vh h = __builtin_convertvector(bf16_bits(v), vh);
+  std::memcpy(p, &h, sizeof h);
+}
+
+inline void store(c10::Half* p, vf v) {
+#if defined(__AVX512F__)
+  __m512 f;
+  std::memcpy(&f, &v, sizeof f);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__AVX__) && defined(__F16C__)
+  __m256 f;
+  std::memcpy(&f, &v, sizeof f);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#else
+  for (int i = 0; i < kLanes; ++i) p[i] = static_cast<c10::Half>(v[i]);
+#endif
+}
+
+// The element types load() and store() take.
+template <typename T>
+constexpr bool kVectorisable = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> ||
+                               std::is_same_v<T, c10::Half>;
+
+// v rounded to T and widened back: what storing it as T and loading it gives.
+template <typename T>
+inline vf round_to(vf v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const vu u = bf16_bits(v) << 16;
+    vf out;
+    std::memcpy(&out, &u, sizeof out);
+    return out;
+  } else {
+    T tmp[kLanes];
+    store(tmp, v);
+    return load(tmp);
+  }
+}
 
 // x in every lane (x - 0 folds away; x + 0 would not, because of -0).
 inline vf splat(float x) { return x - vf{}; }

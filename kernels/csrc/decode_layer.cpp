@@ -31,6 +31,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_vec.h"
 #include "kernel_entries.h"
 
 namespace folio {
@@ -82,10 +83,22 @@ inline float r(float v) {  // round to T and back (identity for float)
 // into a fused multiply-add (GCC does by default), or float32 results move by an ulp.
 #define FOLIO_NO_FMA __attribute__((optimize("fp-contract=off")))
 
-// out = [x1 * c - x2 * s | x2 * c + x1 * s] over one head of `half` pairs.
+// out = [x1 * c - x2 * s | x2 * c + x1 * s] over one head of `half` pairs; whole vectors
+// through cpu_vec.h, whose stores round as c10's conversions do, the rest one by one.
 template <typename T>
 FOLIO_NO_FMA inline void rotate(const T* x, const T* c, const T* s, int64_t half, T* out) {
-  for (int64_t i = 0; i < half; ++i) {
+  using vec::kLanes;
+  using vec::round_to;
+  int64_t i = 0;
+  if constexpr (vec::kVectorisable<T>) {
+    for (; i + kLanes <= half; i += kLanes) {
+      const vec::vf a = vec::load(x + i), b = vec::load(x + half + i), ci = vec::load(c + i),
+                    si = vec::load(s + i);
+      vec::store(out + i, round_to<T>(a * ci) - round_to<T>(b * si));
+      vec::store(out + half + i, round_to<T>(b * ci) + round_to<T>(a * si));
+    }
+  }
+  for (; i < half; ++i) {
     const float a = x[i], b = x[i + half], ci = c[i], si = s[i];
     out[i] = static_cast<T>(r<T>(a * ci) - r<T>(b * si));
     out[i + half] = static_cast<T>(r<T>(b * ci) + r<T>(a * si));
@@ -188,6 +201,33 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   return {linear(act, w[kDown], w[kDownScales], c10::nullopt, lm + 9), res};
 }
 
+// Every layer of a decode step in one call: layer i takes weights[i * kNumSlots, ...),
+// meta[i * kNumMeta, ...) and kv_caches[i]. Same results as decode_layer called layer by
+// layer; what goes away is a dispatcher round trip and the argument lists' conversion
+// per layer, which at batch 1 cost more than a small model's norms and RoPE.
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& hidden, const std::vector<OptTensor>& w, const std::vector<int64_t>& meta,
+    const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
+    const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cos,
+    const at::Tensor& sin, double eps, double scale, std::optional<int64_t> sliding_window) {
+  const auto layers = static_cast<int64_t>(kv_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(w.size()) == layers * kNumSlots,
+              "decode_layers: weights must hold ", kNumSlots, " entries per layer");
+  TORCH_CHECK(static_cast<int64_t>(meta.size()) == layers * kNumMeta,
+              "decode_layers: meta must hold ", kNumMeta, " ints per layer");
+  at::Tensor h = hidden;
+  OptTensor res;
+  for (int64_t i = 0; i < layers; ++i) {
+    const std::vector<OptTensor> wi(w.begin() + i * kNumSlots, w.begin() + (i + 1) * kNumSlots);
+    const std::vector<int64_t> mi(meta.begin() + i * kNumMeta, meta.begin() + (i + 1) * kNumMeta);
+    auto [out, r] = decode_layer(h, res, wi, mi, kv_caches[i], slot_mapping, block_tables,
+                                 seq_lens, cos, sin, eps, scale, sliding_window);
+    h = std::move(out);
+    res = std::move(r);
+  }
+  return {h, res.has_value() ? *res : at::Tensor()};
+}
+
 }  // namespace folio
 
 TORCH_LIBRARY_FRAGMENT(folio, m) {
@@ -203,8 +243,13 @@ TORCH_LIBRARY_FRAGMENT(folio, m) {
         "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
         "Tensor cos, Tensor sin, float eps, float scale, int? sliding_window=None) "
         "-> (Tensor, Tensor)");
+  // decode_layer for every layer: weights and meta concatenated layer after layer
+  m.def("decode_layers(Tensor hidden, Tensor?[] weights, int[] meta, Tensor(a!)[] kv_caches, "
+        "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor cos, Tensor sin, "
+        "float eps, float scale, int? sliding_window=None) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(folio, CPU, m) {
   m.impl("decode_layer", &folio::decode_layer);
+  m.impl("decode_layers", &folio::decode_layers);
 }

@@ -19,6 +19,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu_vec.h"
 #include "kernel_entries.h"
 
 namespace folio {
@@ -29,30 +30,56 @@ inline float round_to(float v) {
   return static_cast<float>(static_cast<T>(v));  // identity for float
 }
 
+// Whole vectors of a row go through cpu_vec.h (the same roundings as the scalar tail:
+// c10's conversions), the last hidden % kLanes elements one by one.
 template <typename T>
 void norm_rows(const T* x, int64_t ldx, const T* res, int64_t ldr, const T* weight,
                T* out, T* res_out, int64_t rows, int64_t hidden, float eps) {
+  using vec::kLanes;
+  using vec::vf;
+  const int64_t whole = vec::kVectorisable<T> ? hidden - hidden % kLanes : 0;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(static_cast<size_t>(hidden));
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * ldx;
-      float ss = 0.f;
+      vf ssv = vec::splat(0.f);
       if (res != nullptr) {
         const T* rr = res + r * ldr;
         T* ro = res_out + r * hidden;
-        for (int64_t i = 0; i < hidden; ++i) {
+        if constexpr (vec::kVectorisable<T>) {
+          for (int64_t i = 0; i < whole; i += kLanes) {
+            const vf sum = vec::round_to<T>(vec::load(xr + i) + vec::load(rr + i));
+            vec::store(ro + i, sum);
+            vec::store(row.data() + i, sum);
+            ssv += sum * sum;
+          }
+        }
+        for (int64_t i = whole; i < hidden; ++i) {
           const T sum = static_cast<T>(static_cast<float>(xr[i]) + static_cast<float>(rr[i]));
           ro[i] = sum;
           row[i] = static_cast<float>(sum);
         }
       } else {
-        for (int64_t i = 0; i < hidden; ++i) row[i] = static_cast<float>(xr[i]);
+        if constexpr (vec::kVectorisable<T>) {
+          for (int64_t i = 0; i < whole; i += kLanes) {
+            const vf v = vec::load(xr + i);
+            vec::store(row.data() + i, v);
+            ssv += v * v;
+          }
+        }
+        for (int64_t i = whole; i < hidden; ++i) row[i] = static_cast<float>(xr[i]);
       }
-#pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < hidden; ++i) ss += row[i] * row[i];
+      float ss = vec::hsum(ssv);
+      for (int64_t i = whole; i < hidden; ++i) ss += row[i] * row[i];
       const float rstd = 1.f / std::sqrt(ss / static_cast<float>(hidden) + eps);
       T* o = out + r * hidden;
-      for (int64_t i = 0; i < hidden; ++i)
+      const vf rv = vec::splat(rstd);
+      if constexpr (vec::kVectorisable<T>) {
+        for (int64_t i = 0; i < whole; i += kLanes)
+          vec::store(o + i, vec::load(weight + i) *
+                                vec::round_to<T>(vec::load(row.data() + i) * rv));
+      }
+      for (int64_t i = whole; i < hidden; ++i)
         o[i] = static_cast<T>(static_cast<float>(weight[i]) * round_to<T>(row[i] * rstd));
     }
   });

@@ -62,3 +62,26 @@ def test_bad_shapes_are_refused():
         ops.rms_norm(torch.zeros(2, 8), torch.zeros(9), 1e-6, None)
     with pytest.raises(RuntimeError, match="residual"):
         ops.rms_norm(torch.zeros(2, 8), torch.zeros(8), 1e-6, torch.zeros(3, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_vector_roundings_match_torch_at_ties_and_special_values(dtype):
+    """Whole vectors of a row round in SIMD code, the tail one by one: both must give
+    torch's bits, ties to even, infinities and NaN included (hidden 35: two vectors of
+    16 and a tail of 3 on AVX-512)."""
+    info = torch.finfo(dtype)
+    ulp = 2.0 ** -(info.bits - 1 - (8 if dtype == torch.bfloat16 else 5))  # at 1.0
+    x = torch.ones(4, 35, dtype=torch.float32)
+    residual = torch.zeros(4, 35)
+    residual[0] = ulp / 2  # exact ties: 1 + ulp/2 goes down to even, 1 + 3ulp/2 up
+    residual[1] = 3 * ulp / 2 * torch.ones(35)
+    residual[2, ::2] = -ulp / 4
+    residual[3, 5], residual[3, 20], residual[3, 33] = float("inf"), float("nan"), info.max
+    x, residual = x.to(dtype), residual.to(dtype)
+    weight = torch.linspace(0.5, 2, 35).to(dtype)
+    out, new_res = rms_norm_cpu(x, weight, 1e-6, residual)
+    ref, ref_res = rms_norm_reference(x, weight, 1e-6, residual)
+    assert torch.equal(new_res.view(torch.int16)[:3], ref_res.view(torch.int16)[:3])
+    assert torch.equal(new_res[3].isnan(), ref_res[3].isnan())
+    assert torch.equal(new_res[3].nan_to_num(), ref_res[3].nan_to_num())
+    torch.testing.assert_close(out[:3].float(), ref[:3].float(), atol=TOL[dtype], rtol=TOL[dtype])

@@ -170,7 +170,8 @@ def test_bad_operands_are_refused(models):
     hidden = torch.randn(1, 64)
     cos = sin = torch.ones(1, 8)
     tables, lens = torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64)
-    meta = fused._meta(1, torch.float32)[0]
+    per_layer = len(fused._meta(1, torch.float32)) // len(fused.layers)
+    meta = fused._meta(1, torch.float32)[:per_layer]
     args = (hidden, None, fused.layers[0], meta, cache)
     with pytest.raises(RuntimeError, match="outside the cache"):
         ops.decode_layer(*args, torch.tensor([32]), tables, lens, cos, sin, 1e-6, 0.25)
@@ -180,3 +181,21 @@ def test_bad_operands_are_refused(models):
     with pytest.raises(RuntimeError, match="meta"):
         ops.decode_layer(*args[:3], meta[:-1], cache, torch.tensor([0]), tables, lens, cos,
                          sin, 1e-6, 0.25)
+
+
+def test_the_all_layers_op_refuses_lists_that_do_not_fit_its_caches(models):
+    runner = runner_for(models["f16"], "float32", quantization="none")
+    fused = runner.model.fused_decode
+    ops = cpu_extension.require()
+    spec = KVCacheSpec.for_model(runner.arch, BLOCK, runner.dtype)
+    caches = allocate_kv_cache(spec, 2, runner.device)
+    meta = fused._meta(1, torch.float32)
+    rest = (torch.tensor([0]), torch.zeros(1, 1, dtype=torch.int64),
+            torch.ones(1, dtype=torch.int64), torch.ones(1, 8), torch.ones(1, 8), 1e-6, 0.25)
+    hidden = torch.randn(1, 64)
+    with pytest.raises(RuntimeError, match="weights must hold"):
+        ops.decode_layers(hidden, fused.weights, meta, caches[:-1], *rest)
+    with pytest.raises(RuntimeError, match="meta must hold"):
+        ops.decode_layers(hidden, fused.weights, meta[:-1], caches, *rest)
+    out, residual = ops.decode_layers(hidden, fused.weights, meta, caches, *rest)
+    assert out.shape == residual.shape == (1, 64) and torch.isfinite(out).all()

@@ -1,11 +1,14 @@
-"""Decode steps through one native op per decoder layer (``kernels/csrc/decode_layer.cpp``).
+"""Decode steps through one native call for all decoder layers
+(``kernels/csrc/decode_layer.cpp``: ``decode_layers``, which runs ``decode_layer`` for
+each).
 
 At batch 1 on a CPU a Llama layer's torch ops (norms, the fused projections, RoPE, the
 cache write, attention, SiLU, the splits and views between them: about 100 per layer)
 cost more in dispatch than the layer's arithmetic: on the default model they were 4.5
 of a 10.6 ms forward. The native op runs the same kernels and the same rounding
-(``LlamaDecoderLayer.forward`` is its spec, tests/kernels/test_decode_layer.py holds
-them together) from one call per layer.
+(``LlamaDecoderLayer.forward`` is its spec, tests/worker/test_fused_decode.py holds
+them together) from one call per step: a call per layer had still cost about 10 us of
+dispatch and argument conversion, 0.3 ms of a 4.4 ms batch-1 step.
 
 It was chosen over ``torch.compile`` (inductor's CPU backend), which the issue allowed:
 the layer's linear layers and attention are already Folio's native kernels (quantized
@@ -93,7 +96,8 @@ class FusedDecode:
         self.head_shape = [attn.num_heads, attn.num_kv_heads, attn.head_dim]
         self.scale = attn.scale
         self.eps = model.layers[0].input_layernorm.eps
-        self._metas: dict[tuple[int, torch.dtype], list[list[int]]] = {}
+        self._metas: dict[tuple[int, torch.dtype], list[int]] = {}
+        self.weights = [w for layer in self.layers for w in layer]  # the op's flat list
 
     @staticmethod
     def supports(model: LlamaForCausalLM) -> bool:
@@ -110,20 +114,20 @@ class FusedDecode:
                 and plan.decode_block_tables is not None and kv_caches[0].dtype == dtype
                 and not self.model.is_batch_invariant)
 
-    def _meta(self, rows: int, dtype: torch.dtype) -> list[list[int]]:
+    def _meta(self, rows: int, dtype: torch.dtype) -> list[int]:
+        """Every layer's meta for ``rows`` rows, layer after layer (decode_layer.cpp)."""
         key = (rows, dtype)
         metas = self._metas.get(key)
         if metas is None:
             metas = []
             for linears in self._linears:
-                meta = list(self.head_shape)
+                metas += self.head_shape
                 for lin, fmt, n in linears:
                     if lin is None:
-                        meta += [0, 0, 0]
+                        metas += [0, 0, 0]
                         continue
                     path = linear_path(rows, dtype, torch.device("cpu"), lin.weight, lin.choice)
-                    meta += [_PATH_CODES[path], fmt, n]
-                metas.append(meta)
+                    metas += [_PATH_CODES[path], fmt, n]
             self._metas[key] = metas
         return metas
 
@@ -139,10 +143,6 @@ class FusedDecode:
         tables, lens = plan.decode_block_tables, plan.decode_seq_lens
         slots = ctx.slot_mapping.contiguous()
         hidden = hidden.contiguous()
-        residual = None
-        op = self.ops.decode_layer
-        for weights, meta, kv_cache in zip(self.layers, self._meta(rows, hidden.dtype),
-                                           kv_caches):
-            hidden, residual = op(hidden, residual, weights, meta, kv_cache, slots, tables,
-                                  lens, cos, sin, self.eps, self.scale, plan.sliding_window)
-        return hidden, residual
+        return self.ops.decode_layers(hidden, self.weights, self._meta(rows, hidden.dtype),
+                                      kv_caches, slots, tables, lens, cos,
+                                      sin, self.eps, self.scale, plan.sliding_window)
