@@ -47,6 +47,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <type_traits>
@@ -217,6 +218,42 @@ struct RowOps<T, 0> {
   }
 };
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define FOLIO_ATTN_BF16DOT 1
+// bf16 queries against a bf16 cache: the K pass as `vdpbf16ps` on the stored values (two
+// keys' elements per lane, products exact in float32, sums in float32), with no
+// widening copy of the keys; the scale multiplies the finished dot products. Same
+// contract as RowOps::scores (s[g, j] for j < n rounded up to kLanes), queries unscaled.
+template <int64_t HD>
+void scores_bf16(const c10::BFloat16* q, int64_t G, const c10::BFloat16* const* rows, int64_t n,
+                 float scale, float* s, Prefetcher& pf) {
+  static_assert(HD % 32 == 0 && kLanes == 16);
+  constexpr int NV = HD / 32;  // 32 bf16 per vector
+  const auto load = [](const c10::BFloat16* p) {
+    return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
+  };
+  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+    pf.step();
+    const c10::BFloat16* r[kLanes];
+    for (int t = 0; t < kLanes; ++t) r[t] = rows[std::min<int64_t>(j0 + t, n - 1)];
+    for (int64_t g = 0; g < G; ++g) {
+      __m512bh qv[NV];
+#pragma GCC unroll 8
+      for (int u = 0; u < NV; ++u) qv[u] = load(q + g * HD + 32 * u);
+      vf d[kLanes];
+#pragma GCC unroll 16
+      for (int t = 0; t < kLanes; ++t) {
+        __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[0], load(r[t]));
+#pragma GCC unroll 8
+        for (int u = 1; u < NV; ++u) acc = _mm512_dpbf16_ps(acc, qv[u], load(r[t] + 32 * u));
+        std::memcpy(&d[t], &acc, sizeof acc);
+      }
+      vec::store(s + g * kChunk + j0, vec::transpose_sum(d) * scale);
+    }
+  }
+}
+#endif
+
 // Online-softmax step for one head over a chunk: s[0, n) are its scores (the row is
 // padded with -inf up to a multiple of kLanes). Raises the running max m, rescales l and
 // acc[0, hd) to it, turns s into exp(s - m) and adds their sum to l.
@@ -372,6 +409,12 @@ void attend_one(const Shape& sh, int64_t d, int64_t kv0, int64_t nkv, const T* q
     for (int64_t kv = kv0; kv < kv0 + nkv; ++kv) {
       const int64_t h = (kv - kv0) * G;  // first local query head of this kv head
       row_pointers(cache + kv * hd, offs, n, rows);
+#ifdef FOLIO_ATTN_BF16DOT
+      if constexpr (HD > 0 && HD % 32 == 0 && std::is_same_v<C, c10::BFloat16> &&
+                    std::is_same_v<T, c10::BFloat16>) {
+        scores_bf16<HD>(query + (d * sh.num_heads + head0 + h) * hd, G, rows, n, scale, s, pf);
+      } else
+#endif
       if constexpr (HD > 0 && !std::is_same_v<C, float>) {
         widen_rows<HD>(rows, n, ws.keys.data(), keys);
         RowOps<float, HD>::scores(q + h * hd, G, keys, n, s, hd, tmp, pf);
