@@ -357,10 +357,34 @@ inline void widen_rows(const T* const* rows, int64_t n, float* buf, const float*
 // query heads), softmax step, V pass. The item's kv heads are adjacent in a slot row,
 // so the chunk's slots are read as contiguous runs (whole blocks when nkv = kv_heads),
 // and each slot is fetched from memory once: later kv heads hit the cache.
+// A work item: request d's kv heads [kv0, kv0 + nkv) over its visible keys [start, seq_len).
+struct Item {
+  int64_t d, kv0, nkv, start, seq_len;
+  const int64_t* table;
+};
+
+inline Item item_at(const Shape& sh, int64_t item, const int64_t* tables,
+                    const int64_t* seq_lens, int64_t window) {
+  const int64_t d = item / sh.items_per_req, kv0 = (item % sh.items_per_req) * sh.kv_per_item;
+  const int64_t len = seq_lens[d];
+  return {d, kv0, std::min(sh.kv_per_item, sh.num_kv_heads - kv0),
+          window > 0 ? std::max<int64_t>(0, len - window) : 0, len, tables + d * sh.max_blocks};
+}
+
+// `it`'s first chunk (at most kChunk slots) into `offs`; returns the slot count.
+inline int64_t first_chunk(const Shape& sh, const Item& it, int64_t* offs) {
+  SlotWalker walk(sh, it.table, it.start);
+  const int64_t n = std::min(kChunk, it.seq_len - it.start);
+  for (int64_t j = 0; j < n; ++j) offs[j] = walk.next();
+  return n;
+}
+
+// `following`: the item this thread does next (null if none), whose first chunk is
+// requested during this item's last one; `requested`: this item's first chunk was.
 template <typename T, typename C, int64_t HD>
-void attend_one(const Shape& sh, int64_t d, int64_t kv0, int64_t nkv, const T* query,
-                const C* cache, const int64_t* table, int64_t seq_len, float scale,
-                int64_t window, T* out, Scratch& ws) {
+void attend_one(const Shape& sh, const Item& it, const Item* following, bool requested,
+                const T* query, const C* cache, float scale, T* out, Scratch& ws) {
+  const int64_t d = it.d, kv0 = it.kv0, nkv = it.nkv, seq_len = it.seq_len;
   using Ops = RowOps<C, HD>;
   const int64_t hd = sh.head_dim;
   const int64_t G = sh.group;
@@ -382,26 +406,36 @@ void attend_one(const Shape& sh, int64_t d, int64_t kv0, int64_t nkv, const T* q
     ws.l[h] = 0.f;
   }
 
-  const int64_t start = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
-  SlotWalker walk(sh, table, start);
-  SlotWalker ahead(sh, table, start);  // runs one chunk in front of `walk`
+  const int64_t start = it.start;
+  SlotWalker walk(sh, it.table, start);
+  SlotWalker ahead(sh, it.table, start);  // runs one chunk in front of `walk`
   int64_t* next_offs = ws.next_offs.data();
   Prefetcher pf;
-  pf.keys = reinterpret_cast<const char*>(cache + kv0 * hd);
+  const auto aim = [&](const Item& target) {  // the prefetches' K rows and span
+    pf.keys = reinterpret_cast<const char*>(cache + target.kv0 * hd);
+    pf.span_bytes = target.nkv * hd * static_cast<int64_t>(sizeof(C));
+  };
+  aim(it);
   pf.plane_bytes = sh.plane_stride * static_cast<int64_t>(sizeof(C));
-  pf.span_bytes = nkv * hd * static_cast<int64_t>(sizeof(C));
   pf.elem = sizeof(C);
-  // The first chunk has nothing to hide behind: request it up front.
+  // The first chunk, unless the previous item requested it, has nothing to hide
+  // behind: request it up front.
   const int64_t n0 = std::min(kChunk, seq_len - start);
   for (int64_t j = 0; j < n0; ++j) next_offs[j] = ahead.next();
-  pf.reset(next_offs, n0, 0);
-  pf.flush();
+  if (!requested) {
+    pf.reset(next_offs, n0, 0);
+    pf.flush();
+  }
 
   for (int64_t p0 = start; p0 < seq_len; p0 += kChunk) {
     const int64_t n = std::min(kChunk, seq_len - p0);
     for (int64_t j = 0; j < n; ++j) offs[j] = walk.next();
-    const int64_t n_next = std::min(kChunk, std::max<int64_t>(0, seq_len - p0 - kChunk));
+    int64_t n_next = std::min(kChunk, std::max<int64_t>(0, seq_len - p0 - kChunk));
     for (int64_t j = 0; j < n_next; ++j) next_offs[j] = ahead.next();
+    if (n_next == 0 && following != nullptr) {  // the last chunk: the next item's first
+      n_next = first_chunk(sh, *following, next_offs);
+      aim(*following);
+    }
     const int64_t steps_per_pass = (n + kLanes - 1) / kLanes;
     pf.reset(next_offs, n_next, 2 * nkv * steps_per_pass);
 
@@ -447,16 +481,23 @@ void run_decode(const Shape& sh, const T* query, const C* cache, const int64_t* 
   const int64_t num_items = sh.num_decodes * sh.items_per_req;
   // Requests are ragged, so a static split would leave a thread idle: each thread
   // instead pulls the next work item off a shared counter.
+  // A thread claims its next item when it starts one, so that the next item's first
+  // keys are on their way while this one finishes (most requests span a few chunks, and
+  // a first chunk requested only when its item starts had stalled on memory).
   std::atomic<int64_t> next{0};
   const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
     Scratch ws(sh);
-    for (int64_t item = next.fetch_add(1); item < num_items; item = next.fetch_add(1)) {
-      const int64_t d = item / sh.items_per_req;
-      const int64_t kv0 = (item % sh.items_per_req) * sh.kv_per_item;
-      const int64_t nkv = std::min(sh.kv_per_item, sh.num_kv_heads - kv0);
-      attend_one<T, C, HD>(sh, d, kv0, nkv, query, cache, tables + d * sh.max_blocks,
-                        seq_lens[d], scale, window, out, ws);
+    bool requested = false;
+    for (int64_t item = next.fetch_add(1); item < num_items;) {
+      const int64_t following = next.fetch_add(1);
+      const Item it = item_at(sh, item, tables, seq_lens, window);
+      Item after{};
+      if (following < num_items) after = item_at(sh, following, tables, seq_lens, window);
+      attend_one<T, C, HD>(sh, it, following < num_items ? &after : nullptr, requested, query,
+                           cache, scale, out, ws);
+      requested = following < num_items;
+      item = following;
     }
   });
 }
