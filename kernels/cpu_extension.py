@@ -1,7 +1,8 @@
 """The native CPU kernels, compiled at first use into one extension.
 
 ``csrc/*.cpp`` (decode paged attention, 16-bit linear layers, fused RMSNorm, linear layers
-on block-quantized weights, LoRA for decode-sized steps) are built with
+on block-quantized weights, LoRA for decode-sized steps, the fused decode layers, the
+sampler's row argmax) are built with
 ``torch.utils.cpp_extension.load`` the first time :func:`ensure` (or a wrapper's
 ``is_available``) runs, then loaded from the build folder on later starts (a warm load
 takes well under a second; a cold build a minute or so). Each source registers its
@@ -52,7 +53,7 @@ DISABLE_ENV = "FOLIO_DISABLE_CPU_KERNELS"
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention_decode.cpp", _CSRC / "half_linear.cpp",
             _CSRC / "rms_norm.cpp", _CSRC / "quant_linear.cpp", _CSRC / "lora_decode.cpp",
-            _CSRC / "decode_layer.cpp"]
+            _CSRC / "decode_layer.cpp", _CSRC / "row_argmax.cpp"]
 # torch only tracks `sources`: headers are hashed into the name
 _HEADERS = [_CSRC / "cpu_vec.h", _CSRC / "quant_pack.h", _CSRC / "quant_tiles.h",
             _CSRC / "kernel_entries.h", _CSRC / "scratch.h"]

@@ -181,3 +181,27 @@ def test_row_argmax_is_argmax_with_ties_to_the_first_index():
     x[7, 0] = x[7, 1] = float("inf")
     assert torch.equal(row_argmax(x), x.argmax(-1))
     assert row_argmax(x)[3] == 10 and row_argmax(x)[7] == 0
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 49152 + 7])
+def test_native_row_argmax_matches_torch_with_nan_inf_and_ties(n):
+    """The native kernel (vector maximum, then the first index holding it) against
+    torch's max(-1).indices, tails past whole vectors and NaN rows included."""
+    from kernels import cpu_extension
+    if not cpu_extension.is_available():
+        pytest.skip("native CPU kernels unavailable")
+    ops = cpu_extension.require()
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(9, n, generator=g)
+    x[1] = -float("inf")                      # all -inf: index 0
+    x[2, -1] = float("inf")                   # the maximum in the tail
+    x[3, n // 2] = x[3, -1] = 50.0            # a tie: the first wins
+    x[4, -1] = float("nan")                   # a NaN is the largest
+    x[5, n // 3] = x[5, n // 2] = float("nan")  # the first NaN
+    x[6] = 0.0
+    x[6, n - 1] = -0.0
+    x[7, 0] = float("nan")
+    assert torch.equal(ops.row_argmax(x), x.max(-1).indices)
+    assert torch.equal(ops.row_argmax(x[:, : max(1, n // 2)]), x[:, : max(1, n // 2)].max(-1).indices)
+    with pytest.raises(RuntimeError, match="float32"):
+        ops.row_argmax(x.double())
