@@ -7,8 +7,9 @@ model's own weights at each row bucket (1, 4, 16, 64, 256 rows), and each layer 
 the fastest as its :class:`LinearChoice`. Small buckets stream through all of a shape's
 weights, as a decode step does (so the timing includes reading them from memory);
 large ones are compute-bound and use two. The paths take turns, three passes each, and
-the best pass counts; a path 4x slower than the best is dropped early (its first pass is
-a single call), and another path must beat the default by 10% to replace it.
+the best pass counts; a path 4x slower than the best after a full pass is dropped early
+(its first pass is a single warm-up call, which alone never drops it), and another path
+must beat the default by 10% to replace it.
 
 The table is cached as JSON under the weight cache's folder (``$FOLIO_CACHE_DIR``,
 ``off`` disables it) in ``linear_backend/``, one file per CPU model + flags, torch
@@ -122,8 +123,10 @@ def time_paths(weights: list, paths: tuple[str, ...], dtype: torch.dtype,
                     continue
                 # the first round's pass is one warm-up call (allocations, first touch)
                 best[path] = min(best[path], _pass_seconds(path, x, ws[:1] if round_ == 0 else ws))
-                if best[path] > _GIVE_UP_FACTOR * min(best.values()):
-                    live.remove(path)  # hopeless, even allowing for noise
+                # hopeless, even allowing for noise; never on the warm-up call alone, whose
+                # first touches had once made AMX look 4x slower than widening and lose
+                if round_ > 0 and best[path] > _GIVE_UP_FACTOR * min(best.values()):
+                    live.remove(path)
         for path in paths:
             out[path].append(best[path] if path in live else None)
             if best[path] != float("inf"):

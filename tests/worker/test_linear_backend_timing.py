@@ -39,7 +39,7 @@ def test_a_hopeless_path_stops_being_timed(monkeypatch):
     calls = scripted(monkeypatch, {"a": flat(1.0), "b": flat(10.0)})
     out = linear_backend.time_paths([torch.zeros(8, 32)], ("a", "b"), torch.float32)
     assert out["b"] == [None] * len(ROW_BUCKETS)
-    assert calls.count(("b", 1)) == 1  # one warm-up pass, then dropped
+    assert calls.count(("b", 1)) == 2  # the warm-up call and one pass, then dropped
     assert all(("b", rows) not in calls for rows in ROW_BUCKETS[1:])  # floor: never again
     assert linear_backend.fastest(out) == ["a"] * len(ROW_BUCKETS)
 
@@ -61,3 +61,22 @@ def test_the_default_is_kept_unless_beaten_by_the_margin(other, expected):
 def test_a_dropped_default_gives_way():
     n = len(ROW_BUCKETS)
     assert linear_backend.fastest({"a": [None] * n, "b": [2.0] * n}) == ["b"] * n
+
+
+def test_a_slow_warm_up_call_alone_does_not_drop_a_path(monkeypatch):
+    # "b"'s first call at 16 rows pays its first touches (10x); its passes are 2x faster
+    # than "a": it must be timed on and chosen there
+    seen = set()
+
+    def pass_seconds(path, x, weights):
+        rows = x.shape[0]
+        if path == "a":
+            return 1.0
+        first = (path, rows) not in seen
+        seen.add((path, rows))
+        return 10.0 if first and rows == 16 else 0.5
+
+    monkeypatch.setattr(linear_backend, "_pass_seconds", pass_seconds)
+    out = linear_backend.time_paths([torch.zeros(8, 32)], ("a", "b"), torch.float32)
+    assert out["b"][ROW_BUCKETS.index(16)] == 0.5
+    assert linear_backend.fastest(out) == ["b"] * len(ROW_BUCKETS)
