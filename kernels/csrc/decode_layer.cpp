@@ -19,8 +19,9 @@
 // cost more than the layer's arithmetic. Each linear layer runs the path the caller
 // chose for this row count (worker/models/linear_paths.py).
 //
-// Scope: the KV cache in the activation dtype (fp8/int8 caches take the unfused layer),
-// no LoRA, no tensor parallelism: the caller checks (worker/models/fused_decode.py).
+// Scope: the KV cache in the activation dtype or fp8 (an fp8 cache takes keys and values
+// as kernels/kv_quant.py quantizes them; int8 caches take the unfused layer), no LoRA, no
+// tensor parallelism: the caller checks (worker/models/fused_decode.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -29,6 +30,7 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -105,22 +107,50 @@ FOLIO_NO_FMA inline void rotate(const T* x, const T* c, const T* s, int64_t half
   }
 }
 
-// Rotates q into `q_out` [rows, heads, hd] and k into its cache slot; copies v there.
-template <typename T>
+// A cache element from an activation: the same type as it is, or fp8 as
+// kernels/kv_quant.py's quantize_kv stores it (clamped to the format's largest finite
+// value, NaN kept, then rounded to nearest even by c10's conversion, scale 1.0).
+template <typename C, typename T>
+inline C to_cache(T x) {
+  if constexpr (std::is_same_v<C, T>) {
+    return x;
+  } else {
+    constexpr float kMax = std::is_same_v<C, c10::Float8_e4m3fn> ? 448.f : 57344.f;
+    float v = static_cast<float>(x);
+    if (v > kMax) v = kMax;
+    else if (v < -kMax) v = -kMax;
+    return static_cast<C>(v);
+  }
+}
+
+// Rotates q into `q_out` [rows, heads, hd] and k into its cache slot; copies v there
+// (both converted to the cache's type C).
+template <typename T, typename C>
 void rope_and_cache(const T* qkv, int64_t rows, int64_t heads, int64_t kv_heads,
                     int64_t hd, const T* cos, const T* sin, const int64_t* slots,
-                    T* q_out, T* k_cache, T* v_cache) {
+                    T* q_out, C* k_cache, C* v_cache) {
   const int64_t half = hd / 2, ld = (heads + 2 * kv_heads) * hd, kv_row = kv_heads * hd;
+  std::vector<T> k_row(std::is_same_v<C, T> ? 0 : static_cast<size_t>(hd));
   for (int64_t t = 0; t < rows; ++t) {
     const T* x = qkv + t * ld;
     const T* c = cos + t * half;
     const T* s = sin + t * half;
     for (int64_t h = 0; h < heads; ++h)
       rotate(x + h * hd, c, s, half, q_out + (t * heads + h) * hd);
-    T* k = k_cache + slots[t] * kv_row;
-    for (int64_t h = 0; h < kv_heads; ++h)
-      rotate(x + (heads + h) * hd, c, s, half, k + h * hd);
-    std::memcpy(v_cache + slots[t] * kv_row, x + (heads + kv_heads) * hd, kv_row * sizeof(T));
+    C* k = k_cache + slots[t] * kv_row;
+    const T* v = x + (heads + kv_heads) * hd;
+    if constexpr (std::is_same_v<C, T>) {
+      for (int64_t h = 0; h < kv_heads; ++h)
+        rotate(x + (heads + h) * hd, c, s, half, k + h * hd);
+      std::memcpy(v_cache + slots[t] * kv_row, v, kv_row * sizeof(T));
+    } else {
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        rotate(x + (heads + h) * hd, c, s, half, k_row.data());
+        for (int64_t i = 0; i < hd; ++i) k[h * hd + i] = to_cache<C>(k_row[i]);
+      }
+      C* vc = v_cache + slots[t] * kv_row;
+      for (int64_t i = 0; i < kv_row; ++i) vc[i] = to_cache<C>(v[i]);
+    }
   }
 }
 
@@ -136,8 +166,10 @@ void check(const at::Tensor& hidden, const std::vector<OptTensor>& w,
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
                   kv_cache.size(3) == kv_heads && kv_cache.size(4) == hd,
               "decode_layer: kv_cache must be contiguous [2, blocks, block_size, kv_heads, hd]");
-  TORCH_CHECK(kv_cache.scalar_type() == hidden.scalar_type(),
-              "decode_layer: the KV cache must have the activations' dtype");
+  TORCH_CHECK(kv_cache.scalar_type() == hidden.scalar_type() ||
+                  kv_cache.scalar_type() == at::kFloat8_e4m3fn ||
+                  kv_cache.scalar_type() == at::kFloat8_e5m2,
+              "decode_layer: the KV cache must have the activations' dtype or be fp8");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
                   slot_mapping.size(0) == rows && slot_mapping.is_contiguous(),
               "decode_layer: slot_mapping must be contiguous int64 [rows]");
@@ -196,11 +228,18 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   const int64_t plane = kv_cache.size(1) * kv_cache.size(2) * kv_heads * hd;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(),
                                   "decode_layer", [&] {
-    scalar_t* cache = kv_cache.data_ptr<scalar_t>();
-    rope_and_cache(qkv.const_data_ptr<scalar_t>(), rows, heads, kv_heads, hd,
-                   cos.const_data_ptr<scalar_t>(), sin.const_data_ptr<scalar_t>(),
-                   slot_mapping.const_data_ptr<int64_t>(), q.data_ptr<scalar_t>(), cache,
-                   cache + plane);
+    const auto write = [&](auto* cache) {
+      rope_and_cache(qkv.const_data_ptr<scalar_t>(), rows, heads, kv_heads, hd,
+                     cos.const_data_ptr<scalar_t>(), sin.const_data_ptr<scalar_t>(),
+                     slot_mapping.const_data_ptr<int64_t>(), q.data_ptr<scalar_t>(), cache,
+                     cache + plane);
+    };
+    if (kv_cache.scalar_type() == at::kFloat8_e4m3fn)
+      write(kv_cache.data_ptr<c10::Float8_e4m3fn>());
+    else if (kv_cache.scalar_type() == at::kFloat8_e5m2)
+      write(kv_cache.data_ptr<c10::Float8_e5m2>());
+    else
+      write(kv_cache.data_ptr<scalar_t>());
   });
   const at::Tensor attn = paged_attention_decode(q, kv_cache, block_tables, seq_lens, scale,
                                                  sliding_window).view({rows, heads * hd});

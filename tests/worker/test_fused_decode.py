@@ -73,14 +73,15 @@ def states() -> list[CachedRequestState]:
 
 
 @torch.inference_mode()
-def decode_both_ways(runner: ModelRunner, sliding_window=None):
+def decode_both_ways(runner: ModelRunner, sliding_window=None, kv_dtype=None):
     """(torch, fused) results of one decode step after a torch prefill: each the final
-    hidden states and the KV caches after the step."""
+    hidden states and the KV caches after the step (``kv_dtype``: the cache's, default
+    the activations')."""
     model = runner.model
     fused = model.fused_decode
     assert fused is not None
-    caches = allocate_kv_cache(KVCacheSpec.for_model(runner.arch, BLOCK, runner.dtype), 16,
-                               runner.device)
+    caches = allocate_kv_cache(KVCacheSpec.for_model(runner.arch, BLOCK, kv_dtype or runner.dtype),
+                               16, runner.device)
     reqs = states()
     prefill = build_input_batch(reqs, [len(p) for p in PROMPTS], BLOCK, sliding_window,
                                 runner.attention_backend)
@@ -105,8 +106,10 @@ def assert_same(results):
     (h_ref, c_ref), (h, c) = results
     assert torch.equal(h, h_ref)
     for got, want in zip(c, c_ref):
+        if got.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # compare the bytes
+            got, want = got.view(torch.uint8), want.view(torch.uint8)
         assert torch.equal(got, want)
-    assert not torch.equal(c_ref[0], torch.zeros_like(c_ref[0]))
+    assert c_ref[0].view(torch.uint8).any()
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_k_m_llama", "q4_k_m_qwen2"])
@@ -130,6 +133,16 @@ def test_float32_weights_and_sliding_window(models):
     assert_same(decode_both_ways(runner, sliding_window=5))
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3fn", "e5m2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_fp8_kv_cache(models, dtype, kv_dtype):
+    """The fused op writes an fp8 cache as kv_quant.quantize_kv does (clamped, rounded to
+    nearest even) and reads it back through the same attention kernel."""
+    runner = runner_for(models["q4_k_m_llama"], dtype, "auto")
+    assert_same(decode_both_ways(runner, kv_dtype=kv_dtype))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_attention_bias(models, dtype):
     runner = runner_for(models["qwen2"], dtype, quantization="none")
@@ -138,7 +151,7 @@ def test_attention_bias(models, dtype):
 
 
 def test_steps_the_op_does_not_take(models):
-    """Prefill rows, an fp8 KV cache and the torch attention backend keep the torch
+    """Prefill rows, an int8 KV cache and the torch attention backend keep the torch
     layers; so does ``worker.fused_decode: false``."""
     runner = runner_for(models["f16"], "float32", quantization="none")
     fused = runner.model.fused_decode
@@ -152,8 +165,8 @@ def test_steps_the_op_does_not_take(models):
         r.num_computed_tokens = len(r.token_ids)
         r.token_ids.append(3)
     decode = build_input_batch(reqs, [1, 1, 1], BLOCK, None, runner.attention_backend)
-    fp8 = [torch.zeros_like(c, dtype=torch.float8_e4m3fn) for c in caches]
-    assert not fused.takes(3, runner.dtype, fp8, decode.attn)
+    int8 = [torch.zeros_like(c, dtype=torch.int8) for c in caches]
+    assert not fused.takes(3, runner.dtype, int8, decode.attn)
     torch_decode = build_input_batch(reqs, [1, 1, 1], BLOCK, None, None)
     assert not fused.takes(3, runner.dtype, caches, torch_decode.attn)
     off = ModelRunner(ModelConfig(path=str(models["f16"]), dtype="float32", quantization="none"),

@@ -18,8 +18,8 @@ compile of minutes per batch shape on a 2-core machine.
 
 A step takes the fused path when every row is a decode on the native CPU attention
 kernel, with no LoRA, no tensor parallelism, no deterministic mode (whose padded
-linears it does not run) and a KV cache in the activation dtype; otherwise the torch
-layers run. A q/k/v projection packed in two formats (``SplitQuantLinear``: a Q4_K_M
+linears it does not run) and a KV cache in the activation dtype or fp8 (written as
+``kernels/kv_quant.py`` quantizes it); otherwise the torch layers run. A q/k/v projection packed in two formats (``SplitQuantLinear``: a Q4_K_M
 file's Q6_K v_proj beside Q4_K q and k) passes its second part as the op's ``qkv_tail``;
 a model with any other split projection runs the torch layers. ``worker.fused_decode: false`` turns it off.
 """
@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels import cpu_extension
+from kernels.kv_quant import is_fp8
 from kernels.quant_linear import PackedWeight
 from worker.models.linear import linear_path
 from worker.models.linear_paths import AMX, BF16DOT, INT8, KERNEL, NATIVE, WIDEN
@@ -111,7 +112,8 @@ class FusedDecode:
         """Whether this step can run fused: decode rows only, on the native kernel."""
         plan = ctx.plan
         return (num_tokens > 0 and plan.num_decodes == num_tokens and not plan.prefills
-                and plan.decode_block_tables is not None and kv_caches[0].dtype == dtype
+                and plan.decode_block_tables is not None
+                and (kv_caches[0].dtype == dtype or is_fp8(kv_caches[0].dtype))
                 and not self.model.is_batch_invariant)
 
     def _meta(self, rows: int, dtype: torch.dtype) -> list[int]:
