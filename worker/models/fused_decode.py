@@ -19,9 +19,11 @@ compile of minutes per batch shape on a 2-core machine.
 A step takes the fused path when every row is a decode on the native CPU attention
 kernel, with no LoRA, no tensor parallelism, no deterministic mode (whose padded
 linears it does not run) and a KV cache in the activation dtype or fp8 (written as
-``kernels/kv_quant.py`` quantizes it); otherwise the torch layers run. A q/k/v projection packed in two formats (``SplitQuantLinear``: a Q4_K_M
-file's Q6_K v_proj beside Q4_K q and k) passes its second part as the op's ``qkv_tail``;
-a model with any other split projection runs the torch layers. ``worker.fused_decode: false`` turns it off.
+``kernels/kv_quant.py`` quantizes it); otherwise the torch layers run. A q/k/v
+projection packed in two formats (``SplitQuantLinear``: a Q4_K_M file's Q6_K v_proj
+beside Q4_K q and k) passes its second part as the op's ``qkv_tail``; a model with any
+other split projection runs the torch layers. ``worker.fused_decode: false`` turns it
+off.
 """
 from __future__ import annotations
 
