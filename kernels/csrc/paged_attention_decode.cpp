@@ -352,11 +352,6 @@ inline void widen_rows(const T* const* rows, int64_t n, float* buf, const float*
   }
 }
 
-// Attention of one work item: request d, kv heads [kv0, kv0 + nkv), i.e. query heads
-// [kv0*G, (kv0+nkv)*G). Per chunk of keys, kv head by kv head: K pass (scores of its G
-// query heads), softmax step, V pass. The item's kv heads are adjacent in a slot row,
-// so the chunk's slots are read as contiguous runs (whole blocks when nkv = kv_heads),
-// and each slot is fetched from memory once: later kv heads hit the cache.
 // A work item: request d's kv heads [kv0, kv0 + nkv) over its visible keys [start, seq_len).
 struct Item {
   int64_t d, kv0, nkv, start, seq_len;
@@ -379,6 +374,11 @@ inline int64_t first_chunk(const Shape& sh, const Item& it, int64_t* offs) {
   return n;
 }
 
+// Attention of one work item: request d, kv heads [kv0, kv0 + nkv), i.e. query heads
+// [kv0*G, (kv0+nkv)*G). Per chunk of keys, kv head by kv head: K pass (scores of its G
+// query heads), softmax step, V pass. The item's kv heads are adjacent in a slot row,
+// so the chunk's slots are read as contiguous runs (whole blocks when nkv = kv_heads),
+// and each slot is fetched from memory once: later kv heads hit the cache.
 // `following`: the item this thread does next (null if none), whose first chunk is
 // requested during this item's last one; `requested`: this item's first chunk was.
 template <typename T, typename C, int64_t HD>
@@ -488,16 +488,18 @@ void run_decode(const Shape& sh, const T* query, const C* cache, const int64_t* 
   const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
     Scratch ws(sh);
-    bool requested = false;
-    for (int64_t item = next.fetch_add(1); item < num_items;) {
+    int64_t item = next.fetch_add(1);
+    if (item >= num_items) return;
+    Item it = item_at(sh, item, tables, seq_lens, window);
+    for (bool requested = false;;) {
       const int64_t following = next.fetch_add(1);
-      const Item it = item_at(sh, item, tables, seq_lens, window);
-      Item after{};
-      if (following < num_items) after = item_at(sh, following, tables, seq_lens, window);
-      attend_one<T, C, HD>(sh, it, following < num_items ? &after : nullptr, requested, query,
-                           cache, scale, out, ws);
-      requested = following < num_items;
-      item = following;
+      const bool more = following < num_items;
+      const Item after = more ? item_at(sh, following, tables, seq_lens, window) : Item{};
+      attend_one<T, C, HD>(sh, it, more ? &after : nullptr, requested, query, cache, scale,
+                           out, ws);
+      if (!more) break;
+      it = after;
+      requested = true;
     }
   });
 }
