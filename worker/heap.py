@@ -5,10 +5,14 @@ the OS when freed, but every such free raises that threshold to the freed size, 
 32 MiB. After the first prefill has freed a few activations or dequantised weights of
 tens of MB, later ones come from the heap, and the heap keeps its free pages: a 1B
 model's worker grew by about 150 MB over its first requests that way and stayed there.
-:func:`bound_heap_growth` fixes the threshold (which also turns off the raising), so
-allocations of 4 MiB and up always come from, and go back to, the OS; the cost is a
-page fault per 4 KiB page touched on each such allocation, small beside the prefill
-arithmetic that allocates them. Decode-sized tensors stay on the heap.
+
+:func:`bound_heap_growth` fixes the threshold at 32 MiB (which also turns off the
+raising). Below it, a prefill's activations come from the heap and are reused layer after
+layer: served from mmap instead (a 4 MiB threshold), every layer's gate/up output and
+product were fresh pages, and the page faults took about a fifth of a 2,048-token prefill
+step on a 2-core VM (0.95 -> 0.62 s a step once reused). What the step freed stays
+in the heap until :func:`trim_after_step` (a step of many tokens: its ~70 MB of
+temporaries back to the OS in about 2 ms) or the worker's idle trim hands it back.
 """
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ import ctypes.util
 import functools
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
-MMAP_THRESHOLD = 4 * 1024 * 1024
+MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)
+TRIM_MIN_TOKENS = 512  # steps this large trim after themselves (trim_after_step)
 
 
 @functools.cache
@@ -47,3 +52,12 @@ def release_freed_memory() -> None:
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
+
+
+def trim_after_step(num_tokens: int) -> None:
+    """After a step of ``num_tokens``: a large one (prefill chunks) hands its freed
+    temporaries back to the OS, so that the resident size between steps stays what is
+    live; its ~2 ms are well under 1% of such a step. Smaller steps keep theirs for the
+    next step to reuse."""
+    if num_tokens >= TRIM_MIN_TOKENS:
+        release_freed_memory()

@@ -23,7 +23,7 @@ from worker.kv_cache import KVCacheSpec, copy_blocks, resolve_kv_cache_dtype
 from worker.kv_pool import initialize_kv_pool
 from worker.linear_backend import choose_linear_backends
 from worker.loader import load_model
-from worker.heap import release_freed_memory
+from worker.heap import release_freed_memory, trim_after_step
 from worker.quantization import load_weights, quantization_for_device
 from worker.lora.lora_manager import LoRAManager
 from worker.lora.lora_step import LoRAStep
@@ -237,6 +237,13 @@ class ModelRunner:
         ``last_timing`` then holds where the step's time went (wall clock; on CUDA the
         device is synchronised after the forward pass, so sampling is not billed for it).
         """
+        try:
+            return self._execute(so, traceparent)
+        finally:
+            if self.device.type == "cpu":
+                trim_after_step(so.total_num_scheduled_tokens)
+
+    def _execute(self, so: SchedulerOutput, traceparent: str | None) -> ModelRunnerOutput:
         t0 = time.perf_counter()
         timing = self.last_timing = StepTiming()
         self._update_states(so)
