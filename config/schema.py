@@ -133,7 +133,7 @@ class CacheConfig:
 
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-LINEAR_BACKENDS = ("auto", "native", "kernel", "widen", "int8", "bf16dot", "amx")
+LINEAR_BACKENDS = ("auto", "native", "kernel", "widen", "int8", "bf16dot", "amx", "mkldnn")
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +158,9 @@ class WorkerConfig:
                              "shape and row count (cached per CPU); native|kernel|widen|"
                              "bf16dot|amx force one where it applies (bf16dot: Q4_0/Q4_1/"
                              "Q4_K/Q6_K weights, bf16 activations, AVX512-BF16; amx: the "
-                             "same on AMX-BF16 tiles, Q8_0 too); int8 (quantized "
+                             "same on AMX-BF16 tiles, Q8_0 too; mkldnn: bf16 weights "
+                             "through oneDNN on a copy reordered once at load, one more "
+                             "copy of each weight that takes it); int8 (quantized "
                              "weights only: "
                              "activations quantized per block of 32, faster from a few "
                              "rows on, less accurate; auto never picks it) forces the "

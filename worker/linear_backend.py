@@ -1,9 +1,9 @@
 """Kernel choice by measurement: the fastest linear path per weight shape and row count.
 
 At load, every path that can run a layer exactly (worker/models/linear_paths.py: torch
-native, Folio's 16-bit kernel, widening; not the quantized kernels' int8 route, which
-quantizes activations and changed the default model's greedy answers) is timed on the
-model's own weights at each row bucket (1, 4, 16, 64, 256 rows), and each layer gets
+native, Folio's 16-bit kernel, widening, oneDNN on a prepacked bf16 weight; not the
+quantized kernels' int8 route, which quantizes activations and changed the default
+model's greedy answers) is timed on the model's own weights at each row bucket (1, 4, 16, 64, 256 rows), and each layer gets
 the fastest as its :class:`LinearChoice`. Small buckets stream through all of a shape's
 weights, as a decode step does (so the timing includes reading them from memory);
 large ones are compute-bound and use two. The paths take turns, three passes each, and
@@ -32,17 +32,18 @@ from torch import nn
 
 from kernels import cpu_extension
 from observability.logging import get_logger
+from worker.models import prepacked
 from worker.models.linear import Linear
-from worker.models.linear_paths import (ROW_BUCKETS, LinearChoice, candidates, run_path,
-                                        weight_kind)
+from worker.models.linear_paths import (MKLDNN, ROW_BUCKETS, LinearChoice, candidates,
+                                        run_path, weight_kind)
 from worker.models.quant_linear import QuantLinear
 from worker.weight_cache import WeightCache
 
 log = get_logger(__name__)
 
-TABLE_VERSION = 2  # 2: int8 no longer measured (tables of 1 may hold it)
+TABLE_VERSION = 3  # 2: int8 no longer measured (tables of 1 may hold it); 3: mkldnn
 _ROUNDS = 3             # passes per path and bucket, taken in turn; the best counts
-_STREAM_MAX_ROWS = 16   # buckets up to this many rows pass over every weight of a shape
+_STREAM_MAX_ROWS = 64   # buckets up to this many rows pass over every weight of a shape
 _GIVE_UP_FACTOR = 4.0   # a path this much slower than the best so far is dropped
 _MARGIN = 0.1           # another path must beat the default by 10% to be chosen
 _HEAD_MAX_ROWS = 64     # the LM head sees sampled rows only: larger buckets copy this one
@@ -184,7 +185,21 @@ def _measure(weights: list, dtype: torch.dtype, max_rows: int) -> list[str]:
     options = candidates(weights[0], lossy=False, dtype=dtype)
     if len(options) == 1:
         return [options[0]] * len(ROW_BUCKETS)
+    if MKLDNN in options:  # packed before the timing: a pass that packs is 4x slower
+        for weight in weights:
+            prepacked.packed(weight)
     return fastest(time_paths(weights, options, dtype, max_rows))
+
+
+def keep_packed(layers: list, table: dict[str, list[str]]) -> None:
+    """Weights whose layer runs the ``mkldnn`` path at some row count get their packed
+    copy now (not in the first request); the timing's copies of the others go."""
+    wanted = {id(w) for _, _, w in layers if MKLDNN in table[shape_key(w)]}
+    for _, _, weight in layers:
+        if id(weight) in wanted:
+            prepacked.packed(weight)
+        else:
+            prepacked.drop(weight)
 
 
 def choose_linear_backends(model: nn.Module, backend: str = "auto") -> dict[str, list[str]]:
@@ -223,6 +238,7 @@ def choose_linear_backends(model: nn.Module, backend: str = "auto") -> dict[str,
                      shapes=skipped, budget_s=_BUDGET_S)
     for owner, attr, weight in layers:
         setattr(owner, attr, LinearChoice(tuple(table[shape_key(weight)])))
+    keep_packed(layers, table)
     log.info("linear backends", source=source, buckets=list(ROW_BUCKETS),
              table={key: ",".join(paths) for key, paths in table.items()},
              seconds=round(time.perf_counter() - started, 2))

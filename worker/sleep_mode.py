@@ -23,6 +23,7 @@ from observability.logging import get_logger
 from worker.kv_cache import allocate_kv_cache
 from worker.kv_pool import maybe_capture_cuda_graphs
 from worker.loader import load_model
+from worker.models import prepacked
 from worker.models.linear import k_major
 
 log = get_logger(__name__)
@@ -112,6 +113,7 @@ class SleepMode:
         self._layouts = {name: _Layout(tuple(p.shape), p.stride(), p.dtype)
                          for name, p in model.named_parameters()}
         for param in model.parameters():
+            prepacked.drop(param)  # oneDNN copies: rebuilt from the reloaded weight on use
             param.data = torch.empty(0, dtype=param.dtype, device=param.device)
         self._had_head_copy = model.head_weight is not None
         model.head_weight = None

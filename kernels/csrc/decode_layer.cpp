@@ -25,6 +25,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -40,7 +42,9 @@ namespace folio {
 namespace {
 
 // Path codes, as worker/models/fused_decode.py encodes linear_paths' names.
-enum Path : int64_t { kNative = 0, kKernel = 1, kWiden = 2, kInt8 = 3, kBf16Dot = 4, kAmx = 5 };
+enum Path : int64_t {
+  kNative = 0, kKernel = 1, kWiden = 2, kInt8 = 3, kBf16Dot = 4, kAmx = 5, kMkldnn = 6
+};
 constexpr int64_t kQuantWidenRoute = 4, kQuantBestInt8Route = 0,  // quant_linear.cpp
     kQuantBf16DotRoute = 5, kQuantAmxRoute = 6;
 
@@ -53,11 +57,30 @@ using OptTensor = c10::optional<at::Tensor>;
 
 bool has(const OptTensor& t) { return t.has_value() && t->defined(); }
 
+// torch's mkldnn::_linear_pointwise (x, weight prepacked by _reorder_linear_weight,
+// bias, no post-op), as worker/models/prepacked.py calls it: through the dispatcher,
+// boxed, so no oneDNN header is needed here.
+at::Tensor prepacked_linear(const at::Tensor& x, const at::Tensor& packed, const OptTensor& bias) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, has(bias) ? c10::IValue(*bias) : c10::IValue(),
+                          c10::IValue(std::string("none")),
+                          c10::IValue(c10::List<std::optional<at::Scalar>>()),
+                          c10::IValue(std::string(""))};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 // x @ W.T (+ bias) through `path`, as linear_paths.run_path computes it. A weight with
-// scales is packed (qs, scales, fmt, n); otherwise it is a plain [n, k] tensor.
+// scales is packed (qs, scales, fmt, n); otherwise it is a plain [n, k] tensor, and on
+// the mkldnn path the scales slot holds its oneDNN copy.
 at::Tensor linear(const at::Tensor& x, const OptTensor& w, const OptTensor& scales,
                   const OptTensor& bias, const int64_t* m) {
   const int64_t path = m[0], fmt = m[1], n = m[2];
+  if (path == kMkldnn) {
+    TORCH_CHECK(has(scales), "decode_layer: the mkldnn path needs the prepacked weight");
+    return prepacked_linear(x.contiguous(), *scales, bias);
+  }
   if (has(scales)) {
     if (path == kNative)
       return at::linear(x, quant::quant_dequantize(*w, *scales, fmt, n, c10::nullopt,
@@ -303,6 +326,13 @@ TORCH_LIBRARY_FRAGMENT(folio, m) {
 }
 
 TORCH_LIBRARY_IMPL(folio, CPU, m) {
+  m.impl("decode_layer", &folio::decode_layer);
+  m.impl("decode_layers", &folio::decode_layers);
+}
+
+// A weight prepacked for oneDNN (the mkldnn path) is an MkldnnCPU tensor, and the
+// dispatcher routes a call by its arguments' highest key: the same kernels serve it.
+TORCH_LIBRARY_IMPL(folio, MkldnnCPU, m) {
   m.impl("decode_layer", &folio::decode_layer);
   m.impl("decode_layers", &folio::decode_layers);
 }

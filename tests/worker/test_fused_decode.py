@@ -4,7 +4,7 @@ decoder layers (worker/models/llama.py), on decode steps of tiny models.
 Each case prefills three requests of different lengths through the torch layers, then
 runs one decode step twice on copies of the KV cache: through the torch layers and
 through the native op. The hidden states and the cache rows the step wrote must agree, for quantized weights (every linear path), 16-bit
-weights (native GEMM, Folio's kernel, widening), float32, attention bias (qwen2) and a
+weights (native GEMM, Folio's kernel, widening, oneDNN on prepacked weights), float32, attention bias (qwen2) and a
 sliding window. The op calls the same kernels and torch ops with the same rounding
 points, so they must agree bit for bit.
 """
@@ -21,6 +21,7 @@ from tests.worker.gguf_factory import TinyModelSpec, write_tiny_gguf
 from worker.input_batch import build_input_batch
 from worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from worker.model_runner import ModelRunner
+from worker.models import prepacked
 from worker.request_state import CachedRequestState
 
 pytestmark = pytest.mark.skipif(not cpu_extension.is_available(),
@@ -121,10 +122,15 @@ def test_quantized_weights_every_path(models, fmt, backend, dtype):
     assert_same(decode_both_ways(runner))
 
 
-@pytest.mark.parametrize("backend", ["auto", "kernel", "widen", "native"])
+@pytest.mark.parametrize("backend", ["auto", "kernel", "widen", "native", "mkldnn"])
 def test_bf16_weights_every_path(models, backend):
+    if backend == "mkldnn" and not prepacked.available():
+        pytest.skip("oneDNN bf16 linear unavailable on this CPU")
     runner = runner_for(models["f16"], "bfloat16", backend, quantization="none")
+    if backend == "mkldnn":  # the op takes the oneDNN copies in the scales slots
+        assert runner.model.layers[0].mlp.down_proj.choice.paths[0] == "mkldnn"
     assert_same(decode_both_ways(runner))
+    assert all(w is None or not w.is_mkldnn for w in runner.model.fused_decode.weights)
 
 
 def test_float32_weights_and_sliding_window(models):
@@ -143,9 +149,12 @@ def test_an_fp8_kv_cache(models, dtype, kv_dtype):
     assert_same(decode_both_ways(runner, kv_dtype=kv_dtype))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_attention_bias(models, dtype):
-    runner = runner_for(models["qwen2"], dtype, quantization="none")
+@pytest.mark.parametrize("dtype,backend", [("float32", "auto"), ("bfloat16", "auto"),
+                                           ("bfloat16", "mkldnn")])
+def test_attention_bias(models, dtype, backend):
+    if backend == "mkldnn" and not prepacked.available():
+        pytest.skip("oneDNN bf16 linear unavailable on this CPU")
+    runner = runner_for(models["qwen2"], dtype, backend, quantization="none")
     assert runner.model.layers[0].self_attn.qkv_proj.bias is not None
     assert_same(decode_both_ways(runner))
 

@@ -35,7 +35,8 @@ from kernels import cpu_extension
 from kernels.kv_quant import is_fp8
 from kernels.quant_linear import PackedWeight
 from worker.models.linear import linear_path
-from worker.models.linear_paths import AMX, BF16DOT, INT8, KERNEL, NATIVE, WIDEN
+from worker.models import prepacked
+from worker.models.linear_paths import AMX, BF16DOT, INT8, KERNEL, MKLDNN, NATIVE, WIDEN
 from worker.models.quant_linear import SplitQuantLinear
 
 if TYPE_CHECKING:
@@ -43,11 +44,13 @@ if TYPE_CHECKING:
     from worker.models.rotary_embedding import RotaryAngles
 
 # decode_layer.cpp's path codes
-_PATH_CODES = {NATIVE: 0, KERNEL: 1, WIDEN: 2, INT8: 3, BF16DOT: 4, AMX: 5}
+_PATH_CODES = {NATIVE: 0, KERNEL: 1, WIDEN: 2, INT8: 3, BF16DOT: 4, AMX: 5, MKLDNN: 6}
 
 
 def _operands(layer) -> tuple[list, tuple]:
-    """A linear layer's (weight or qs, scales) and its fixed meta (fmt, n)."""
+    """A linear layer's (weight or qs, scales) and its fixed meta (fmt, n). A tensor
+    weight's scales slot carries its oneDNN copy in the steps that run the mkldnn path
+    (filled per call, see FusedDecode.run)."""
     w = layer.weight
     if isinstance(w, PackedWeight):
         return [w.qs, w.scales], (w.fmt, w.n)
@@ -74,6 +77,7 @@ class FusedDecode:
         self.layers: list[list] = []
         self._linears: list[list] = []  # per layer: (layer, fmt, n) of qkv, o, gate_up,
         # down and qkv's tail (None, 0, 0 without one)
+        self._scales_slot: dict[int, int] = {}  # id(linear layer) -> its scales slot
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
@@ -89,6 +93,8 @@ class FusedDecode:
                     linears.append((None, 0, 0))
                     continue
                 operands, (fmt, n) = _operands(lin)
+                offset = sum(len(done) for done in self.layers)  # in the flat list
+                self._scales_slot[id(lin)] = offset + len(weights) + 1
                 weights += operands
                 if i == 0:
                     weights.append(bias)
@@ -100,6 +106,8 @@ class FusedDecode:
         self.scale = attn.scale
         self.eps = model.layers[0].input_layernorm.eps
         self._metas: dict[tuple[int, torch.dtype], list[int]] = {}
+        # per (rows, dtype): (scales slot, layer) of the linears on the mkldnn path
+        self._prepacked: dict[tuple[int, torch.dtype], list[tuple[int, object]]] = {}
         self.weights = [w for layer in self.layers for w in layer]  # the op's flat list
 
     @staticmethod
@@ -123,7 +131,7 @@ class FusedDecode:
         key = (rows, dtype)
         metas = self._metas.get(key)
         if metas is None:
-            metas = []
+            metas, packed = [], []
             for linears in self._linears:
                 metas += self.head_shape
                 for lin, fmt, n in linears:
@@ -131,8 +139,13 @@ class FusedDecode:
                         metas += [0, 0, 0]
                         continue
                     path = linear_path(rows, dtype, torch.device("cpu"), lin.weight, lin.choice)
+                    if path == MKLDNN and dtype != torch.bfloat16:
+                        path = NATIVE  # as run_path does
+                    if path == MKLDNN:
+                        packed.append((self._scales_slot[id(lin)], lin))
                     metas += [_PATH_CODES[path], fmt, n]
             self._metas[key] = metas
+            self._prepacked[key] = packed
         return metas
 
     def run(self, angles: RotaryAngles, hidden: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -147,6 +160,14 @@ class FusedDecode:
         tables, lens = plan.decode_block_tables, plan.decode_seq_lens
         slots = ctx.slot_mapping.contiguous()
         hidden = hidden.contiguous()
-        return self.ops.decode_layers(hidden, self.weights, self._meta(rows, hidden.dtype),
-                                      kv_caches, slots, tables, lens, cos,
-                                      sin, self.eps, self.scale, plan.sliding_window)
+        meta = self._meta(rows, hidden.dtype)
+        packed = self._prepacked[(rows, hidden.dtype)]
+        for slot, lin in packed:  # current copies (a weight update repacks), this call only
+            self.weights[slot] = prepacked.packed(lin.weight)
+        try:
+            return self.ops.decode_layers(hidden, self.weights, meta, kv_caches, slots, tables,
+                                          lens, cos, sin, self.eps, self.scale,
+                                          plan.sliding_window)
+        finally:
+            for slot, _ in packed:  # the list never keeps a copy alive (sleep frees them)
+                self.weights[slot] = None

@@ -14,7 +14,10 @@ fp16) or block-quantized (a ``PackedWeight``, kernels/quant_linear.py):
   CPUs): bf16 activations times the weights turned into bf16 pairs, ``vdpbf16ps``,
   products exact in float32 as in ``widen`` (which it is for other activations);
 * ``amx``: the same on AMX tiles (AMX-BF16 CPUs), 16 rows at a time, for every format
-  (Q8_0's values converted to bf16, exactly).
+  (Q8_0's values converted to bf16, exactly);
+* ``mkldnn``: bf16 weights through oneDNN with the weight reordered once, not per call
+  (worker/models/prepacked.py; AVX512-BF16/AMX CPUs), at the price of a second copy of
+  the weight.
 
 Which one is fastest depends on the CPU (bf16/VNNI/AMX instructions, cache sizes), the
 weight's shape and the number of rows, so worker/linear_backend.py times them at load
@@ -41,9 +44,11 @@ from kernels.quant_linear import AMX as AMX_ROUTE, BEST_INT8, BF16DOT as BF16DOT
 from kernels.quant_linear import Q4_0, Q4_1, Q4_K, Q6_K
 from kernels.quant_linear import WIDEN as WIDEN_ROUTE, PackedWeight, routes_available
 from kernels.quant_linear import quant_linear, weight_rows
+from worker.models import prepacked
 
 NATIVE, KERNEL, WIDEN, INT8, BF16DOT, AMX = "native", "kernel", "widen", "int8", "bf16dot", "amx"
-PATHS = (NATIVE, KERNEL, WIDEN, INT8, BF16DOT, AMX)
+MKLDNN = "mkldnn"
+PATHS = (NATIVE, KERNEL, WIDEN, INT8, BF16DOT, AMX, MKLDNN)
 _BF16DOT_FORMATS = frozenset({Q4_0, Q4_1, Q4_K, Q6_K})  # values of at most 6 bits
 LOSSY = frozenset({INT8})  # paths whose result is not x @ W.T to float rounding
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -113,7 +118,10 @@ def candidates(weight, lossy: bool = True, dtype: torch.dtype | None = None) -> 
         exact += (AMX,) if amx_takes(weight, dtype) else ()
         return (*exact, INT8, NATIVE) if lossy else (*exact, NATIVE)
     if weight.dtype in HALF_DTYPES:
-        return (NATIVE, KERNEL, WIDEN) if kernel_takes(weight) else (NATIVE, WIDEN)
+        paths = (NATIVE, KERNEL, WIDEN) if kernel_takes(weight) else (NATIVE, WIDEN)
+        # oneDNN on the prepacked weight is the default where it runs: the timing must
+        # find another path 10% faster to take it (see linear_backend.py)
+        return ((MKLDNN,) + paths) if prepacked.takes(weight, dtype) else paths
     return (NATIVE,)
 
 
@@ -124,6 +132,8 @@ def run_path(path: str, x: torch.Tensor, weight, bias: torch.Tensor | None) -> t
             return F.linear(x, weight_rows(weight, None, x.dtype), bias)
         route = {WIDEN: WIDEN_ROUTE, BF16DOT: BF16DOT_ROUTE, AMX: AMX_ROUTE}.get(path, BEST_INT8)
         return quant_linear(x, weight, bias, route)
+    if path == MKLDNN and x.dtype == torch.bfloat16:
+        return prepacked.linear(x, weight, bias)
     if path == KERNEL:
         ops = cpu_extension.require()
         out = ops.half_linear(x.reshape(-1, x.shape[-1]), weight, bias)
