@@ -23,6 +23,18 @@ _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARN
            "error": logging.ERROR}
 
 
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is when a line is written, not when logging was
+    configured: a stream replaced since (a test's capture, closed when its test ended)
+    must not take every later log call down with it."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str = "info", fmt: str = "console") -> None:
     """Route structlog (and stdlib logging) to stderr in the chosen format."""
     if structlog is None:
@@ -41,7 +53,7 @@ def configure_logging(level: str = "info", fmt: str = "console") -> None:
         # one write() per line (print() writes the line, then its newline): every
         # service of a stack shares one stderr, and a line must never be split by
         # another thread's or process's write (JSON logs are read line by line)
-        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=False,
     )
     logging.basicConfig(level=_LEVELS[level], stream=sys.stderr, format="%(message)s")

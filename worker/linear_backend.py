@@ -3,10 +3,12 @@
 At load, every path that can run a layer exactly (worker/models/linear_paths.py: torch
 native, Folio's 16-bit kernel, widening, oneDNN on a prepacked bf16 weight; not the
 quantized kernels' int8 route, which quantizes activations and changed the default
-model's greedy answers) is timed on the model's own weights at each row bucket (1, 4, 16, 64, 256 rows), and each layer gets
-the fastest as its :class:`LinearChoice`. Small buckets stream through all of a shape's
-weights, as a decode step does (so the timing includes reading them from memory);
-large ones are compute-bound and use two. The paths take turns, three passes each, and
+model's greedy answers) is timed on the model's own weights at each row bucket (1, 4,
+16, 64, 256 rows), and each layer gets the fastest as its :class:`LinearChoice`.
+Buckets up to 64 rows (decode batches) stream through all of a shape's weights, as a
+decode step does (so the timing includes reading them from memory; timed on one hot
+weight, the 64-row bucket had preferred a path that was slower in real steps); the
+prefill bucket is compute-bound and uses one. The paths take turns, three passes each, and
 the best pass counts; a path 4x slower than the best after a full pass is dropped early
 (its first pass is a single warm-up call, which alone never drops it), and another path
 must beat the default by 10% to replace it.

@@ -61,3 +61,25 @@ def test_only_layers_that_run_the_path_keep_a_copy():
     assert prepacked.has_packed(a) and not prepacked.has_packed(b)
     prepacked.drop(a)
     assert not prepacked.has_packed(a)
+
+
+def test_deterministic_mode_drops_the_copies(tiny_bf16_model):
+    model = tiny_bf16_model
+    weights = [m.weight for m in model.modules() if hasattr(m, "choice")]
+    for w in weights:
+        prepacked.packed(w)
+    model.make_batch_invariant()  # its padded linears never read them
+    assert not any(prepacked.has_packed(w) for w in weights)
+
+
+@pytest.fixture
+def tiny_bf16_model():
+    from worker.models.architecture import ModelArchitecture
+    from worker.models.registry import build_model
+    arch = ModelArchitecture(architecture="llama", vocab_size=64, hidden_size=32,
+                             intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                             rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None,
+                             tie_word_embeddings=True, attention_bias=False,
+                             max_position_embeddings=64)
+    return build_model(arch, 64).to(torch.bfloat16)

@@ -25,6 +25,7 @@ from kernels.reshape_and_cache import reshape_and_cache
 from kernels.rms_norm import rms_norm
 from kernels.rotary_embedding import rotary_embedding
 from worker.distributed.model_shard import ModelShard
+from worker.models import prepacked
 from worker.models.fused_decode import FusedDecode
 from worker.models.architecture import ModelArchitecture
 from worker.models.linear import (Linear, invariant_linear, k_major, linear,
@@ -189,8 +190,11 @@ class LlamaForCausalLM(nn.Module):
     def make_batch_invariant(self) -> None:
         """Deterministic mode: every projection and the LM head compute each row
         independently of the rows beside it (worker/models/linear.py). Norms, rotary,
-        activations and the embedding already work row by row."""
+        activations and the embedding already work row by row. The measured choices'
+        oneDNN copies (worker/models/prepacked.py) go: these paths never read them."""
         use_invariant_linears(self)
+        for weight in [*self.parameters(), self.head_weight]:
+            prepacked.drop(weight)
         self.is_batch_invariant = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
