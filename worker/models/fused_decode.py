@@ -78,6 +78,7 @@ class FusedDecode:
         self._linears: list[list] = []  # per layer: (layer, fmt, n) of qkv, o, gate_up,
         # down and qkv's tail (None, 0, 0 without one)
         self._scales_slot: dict[int, int] = {}  # id(linear layer) -> its scales slot
+        offset = 0  # where this layer's operands start in the flat list
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             weights = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
@@ -93,7 +94,6 @@ class FusedDecode:
                     linears.append((None, 0, 0))
                     continue
                 operands, (fmt, n) = _operands(lin)
-                offset = sum(len(done) for done in self.layers)  # in the flat list
                 self._scales_slot[id(lin)] = offset + len(weights) + 1
                 weights += operands
                 if i == 0:
@@ -101,6 +101,7 @@ class FusedDecode:
                 linears.append((lin, fmt, n))
             self.layers.append(weights)
             self._linears.append(linears)
+            offset += len(weights)
         attn = model.layers[0].self_attn
         self.head_shape = [attn.num_heads, attn.num_kv_heads, attn.head_dim]
         self.scale = attn.scale
@@ -139,8 +140,6 @@ class FusedDecode:
                         metas += [0, 0, 0]
                         continue
                     path = linear_path(rows, dtype, torch.device("cpu"), lin.weight, lin.choice)
-                    if path == MKLDNN and dtype != torch.bfloat16:
-                        path = NATIVE  # as run_path does
                     if path == MKLDNN:
                         packed.append((self._scales_slot[id(lin)], lin))
                     metas += [_PATH_CODES[path], fmt, n]

@@ -52,8 +52,8 @@ from torch import nn
 from kernels import cpu_extension
 from kernels.quant_linear import PackedWeight
 from worker.device import cpu_has_native_half
-from worker.models.linear_paths import (HALF_DTYPES, KERNEL, NATIVE, WIDEN, LinearChoice,
-                                        candidates, kernel_takes, run_path)
+from worker.models.linear_paths import (HALF_DTYPES, KERNEL, MKLDNN, NATIVE, WIDEN,
+                                        LinearChoice, candidates, kernel_takes, run_path)
 
 # Rows (tokens) from which widening beats the native bf16 GEMM on a CPU without bf16
 # instructions: measured crossover between 64 and 128 rows for SmolLM2's projections.
@@ -87,9 +87,11 @@ def linear_path(rows: int, dtype: torch.dtype, device: torch.device, weight,
                 choice: LinearChoice | None = None) -> str:
     """The path :func:`linear` takes for ``rows`` rows of ``dtype`` activations: the
     layer's measured ``choice`` if it has one, else the fixed rule (:func:`half_path`;
-    a quantized weight runs its kernel's default)."""
+    a quantized weight runs its kernel's default). The mkldnn path multiplies bf16 only:
+    other activations take the native GEMM."""
     if choice is not None:
-        return choice.path_for(rows)
+        path = choice.path_for(rows)
+        return NATIVE if path == MKLDNN and dtype != torch.bfloat16 else path
     if isinstance(weight, PackedWeight):
         return candidates(weight)[0]
     if dtype not in HALF_DTYPES:  # float32: no decision to make

@@ -132,7 +132,7 @@ def run_path(path: str, x: torch.Tensor, weight, bias: torch.Tensor | None) -> t
             return F.linear(x, weight_rows(weight, None, x.dtype), bias)
         route = {WIDEN: WIDEN_ROUTE, BF16DOT: BF16DOT_ROUTE, AMX: AMX_ROUTE}.get(path, BEST_INT8)
         return quant_linear(x, weight, bias, route)
-    if path == MKLDNN and x.dtype == torch.bfloat16:
+    if path == MKLDNN:
         return prepacked.linear(x, weight, bias)
     if path == KERNEL:
         ops = cpu_extension.require()
