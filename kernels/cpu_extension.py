@@ -53,10 +53,11 @@ DISABLE_ENV = "FOLIO_DISABLE_CPU_KERNELS"
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = [_CSRC / "paged_attention_decode.cpp", _CSRC / "half_linear.cpp",
             _CSRC / "rms_norm.cpp", _CSRC / "quant_linear.cpp", _CSRC / "lora_decode.cpp",
-            _CSRC / "decode_layer.cpp", _CSRC / "row_argmax.cpp"]
+            _CSRC / "decode_layer.cpp", _CSRC / "row_argmax.cpp",
+            _CSRC / "silu_and_mul.cpp", _CSRC / "rotary_embedding.cpp"]
 # torch only tracks `sources`: headers are hashed into the name
 _HEADERS = [_CSRC / "cpu_vec.h", _CSRC / "quant_pack.h", _CSRC / "quant_tiles.h",
-            _CSRC / "kernel_entries.h", _CSRC / "scratch.h"]
+            _CSRC / "kernel_entries.h", _CSRC / "scratch.h", _CSRC / "rotary.h"]
 # -fopenmp: at::parallel_for's OpenMP backend is inline in the torch headers, and
 # `#pragma omp simd` marks the reductions vectorisable without -ffast-math.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG", "-w"]

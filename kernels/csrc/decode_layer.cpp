@@ -37,6 +37,7 @@
 
 #include "cpu_vec.h"
 #include "kernel_entries.h"
+#include "rotary.h"
 
 namespace folio {
 namespace {
@@ -99,37 +100,6 @@ at::Tensor linear(const at::Tensor& x, const OptTensor& w, const OptTensor& scal
   return at::linear(x, *w, bias);
 }
 
-template <typename T>
-inline float r(float v) {  // round to T and back (identity for float)
-  return static_cast<float>(static_cast<T>(v));
-}
-
-// torch rounds every product before the sum: the compiler must not contract a * b - c * d
-// into a fused multiply-add (GCC does by default), or float32 results move by an ulp.
-#define FOLIO_NO_FMA __attribute__((optimize("fp-contract=off")))
-
-// out = [x1 * c - x2 * s | x2 * c + x1 * s] over one head of `half` pairs; whole vectors
-// through cpu_vec.h, whose stores round as c10's conversions do, the rest one by one.
-template <typename T>
-FOLIO_NO_FMA inline void rotate(const T* x, const T* c, const T* s, int64_t half, T* out) {
-  using vec::kLanes;
-  using vec::round_to;
-  int64_t i = 0;
-  if constexpr (vec::kVectorisable<T>) {
-    for (; i + kLanes <= half; i += kLanes) {
-      const vec::vf a = vec::load(x + i), b = vec::load(x + half + i), ci = vec::load(c + i),
-                    si = vec::load(s + i);
-      vec::store(out + i, round_to<T>(a * ci) - round_to<T>(b * si));
-      vec::store(out + half + i, round_to<T>(b * ci) + round_to<T>(a * si));
-    }
-  }
-  for (; i < half; ++i) {
-    const float a = x[i], b = x[i + half], ci = c[i], si = s[i];
-    out[i] = static_cast<T>(r<T>(a * ci) - r<T>(b * si));
-    out[i + half] = static_cast<T>(r<T>(b * ci) + r<T>(a * si));
-  }
-}
-
 // A cache element from an activation: the same type as it is, or fp8 as
 // kernels/kv_quant.py's quantize_kv stores it (clamped to the format's largest finite
 // value, NaN kept, then rounded to nearest even by c10's conversion, scale 1.0).
@@ -159,16 +129,16 @@ void rope_and_cache(const T* qkv, int64_t rows, int64_t heads, int64_t kv_heads,
     const T* c = cos + t * half;
     const T* s = sin + t * half;
     for (int64_t h = 0; h < heads; ++h)
-      rotate(x + h * hd, c, s, half, q_out + (t * heads + h) * hd);
+      rope::rotate(x + h * hd, c, s, half, q_out + (t * heads + h) * hd);
     C* k = k_cache + slots[t] * kv_row;
     const T* v = x + (heads + kv_heads) * hd;
     if constexpr (std::is_same_v<C, T>) {
       for (int64_t h = 0; h < kv_heads; ++h)
-        rotate(x + (heads + h) * hd, c, s, half, k + h * hd);
+        rope::rotate(x + (heads + h) * hd, c, s, half, k + h * hd);
       std::memcpy(v_cache + slots[t] * kv_row, v, kv_row * sizeof(T));
     } else {
       for (int64_t h = 0; h < kv_heads; ++h) {
-        rotate(x + (heads + h) * hd, c, s, half, k_row.data());
+        rope::rotate(x + (heads + h) * hd, c, s, half, k_row.data());
         for (int64_t i = 0; i < hd; ++i) k[h * hd + i] = to_cache<C>(k_row[i]);
       }
       C* vc = v_cache + slots[t] * kv_row;
@@ -270,10 +240,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   std::tie(h, res) = rms_norm(o, *w[kPostNorm], eps, res);
   const at::Tensor gate_up = linear(h, w[kGateUp], w[kGateUpScales], c10::nullopt, lm + 6)
                                  .contiguous();
-  // torch's own SiLU and product (its vectorised exp): two ops, the reference's bits
-  const int64_t inter = gate_up.size(1) / 2;
-  at::Tensor act = at::silu(gate_up.narrow(1, 0, inter));
-  act.mul_(gate_up.narrow(1, inter, inter));
+  // SiLU and product in one pass, with the bits of torch's two ops (silu_and_mul.cpp)
+  const at::Tensor act = silu_and_mul(gate_up);
   return {linear(act, w[kDown], w[kDownScales], c10::nullopt, lm + 9), res};
 }
 

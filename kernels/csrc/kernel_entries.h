@@ -26,6 +26,9 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& kv_
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                   double scale, std::optional<int64_t> sliding_window);
 
+// silu_and_mul.cpp: SiLU(gate) * up for gate_up = [gate | up], [rows, 2 * inter].
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+
 namespace quant {
 // quant_linear.cpp: x @ W.T (+ bias) for a packed block-quantized W through `route`.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,

@@ -24,6 +24,7 @@ from kernels.paged_attention import PagedAttentionPlan, paged_attention
 from kernels.reshape_and_cache import reshape_and_cache
 from kernels.rms_norm import rms_norm
 from kernels.rotary_embedding import rotary_embedding
+from kernels.silu_and_mul import silu_and_mul
 from worker.distributed.model_shard import ModelShard
 from worker.models import prepacked
 from worker.models.fused_decode import FusedDecode
@@ -123,8 +124,7 @@ class LlamaMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if lora is not None:
             lora.add("gate_up_proj", x, gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        h = F.silu(gate) * up
+        h = silu_and_mul(gate_up)
         y = self.down_proj(h)
         if lora is not None:
             lora.add("down_proj", h, y)
