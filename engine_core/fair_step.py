@@ -10,6 +10,15 @@
     5. leftovers: budget the caps kept unused goes to running prefills not yet granted,
        then to admissions, uncapped and without preemption (work conservation)
 
+A first token goes first: when a tenant with nothing running has a short request
+waiting (its whole prompt within ``FIRST_TOKEN_FRACTION`` of the budget) while other
+tenants run, the step is that tenant's alone (every such tenant's head, the budget split
+by weight; others' decodes and chunks wait one step). Its first token then costs one
+small step, not a step of a flood's decodes and prefill chunks: on a CPU a step of 64
+long decodes takes several times a short prompt's. Such steps alternate with ordinary
+ones, so the running tenants never lose more than every other step to them, and a
+newcomer that cannot start now (no free slot, no KV room) is planned as below.
+
 As under fcfs, a step that preempted for KV room admits nobody. Caps are soft: a grant
 withdrawn by a later preemption returns its tokens to the budget, not to the cap, and
 step 5 hands them out. Progress: decodes are never lost (a preempted request keeps its
@@ -61,17 +70,25 @@ def _tenant_order(tenant: Tenant) -> tuple[bool, str]:
     return (tenant is not None, tenant or "")
 
 
+FIRST_TOKEN_FRACTION = 8  # a prompt within budget / 8 tokens is short: its tenant's step
+
+
 class FairPlanner:
     """Plans each step of the ``fair`` policy through the scheduler's primitives."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         self._num_steps = 0  # rotates who gets the rounding remainder of the caps
+        self._was_first_token_step = False  # such steps alternate with ordinary ones
 
     def plan_step(self, plan: StepPlan) -> None:
         """Fill ``plan`` following steps 1-5 of the module docstring."""
         s = self.scheduler
         self._num_steps += 1
+        was_first_token_step, self._was_first_token_step = self._was_first_token_step, False
+        if not was_first_token_step and self._plan_first_tokens(plan):
+            self._was_first_token_step = True
+            return
         by_age = sorted(s.running, key=age_key)
         decodes = [r for r in by_age if r.num_tokens - r.num_computed_tokens <= 1]
         prefills = [r for r in by_age if r.num_tokens - r.num_computed_tokens > 1]
@@ -85,6 +102,32 @@ class FairPlanner:
         self._grant(prefills, plan, may_preempt=False)
         if not is_kv_preempted:
             self._admit_waiting(plan, self.measure_shares(), None, admitted)
+
+    def _plan_first_tokens(self, plan: StepPlan) -> bool:
+        """A step of the newcomers' short requests alone (module docstring); False,
+        leaving ``plan`` untouched, when there is none to plan."""
+        s = self.scheduler
+        running = {r.tenant for r in s.running}
+        if not running:
+            return False  # nobody would wait for it: the ordinary plan is the same
+        short = plan.token_budget // FIRST_TOKEN_FRACTION
+        heads = {t: s.waiting.head(t) for t in s.waiting.tenants() if t not in running}
+        heads = {t: r for t, r in heads.items() if r.num_tokens - r.num_computed_tokens <= short}
+        if not heads:
+            return False
+        order = sorted(heads, key=_tenant_order)
+        k = self._num_steps % len(order)
+        order = order[k:] + order[:k]
+        caps = split_budget(plan.token_budget,
+                            {t: heads[t].num_tokens - heads[t].num_computed_tokens
+                             for t in order},
+                            {t: s.tenant_weights.weight(t) for t in order})
+        admitted = False
+        for tenant in order:
+            if len(s.running) >= s.config.max_num_seqs:
+                break
+            admitted |= s.admit(heads[tenant], plan, caps[tenant])
+        return admitted
 
     def measure_shares(self) -> TenantShares:
         """Running requests per tenant against their fair shares, as of now."""
