@@ -16,7 +16,7 @@ model can loop on), ``\\d``/``\\w`` as ASCII (JSON Schema's regex semantics).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -71,21 +71,32 @@ class GrammarCompiler:
     llguidance tokenizer (0.2-0.5 s to build) is made on first use, once.
     """
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Tokenizer | Callable[[], Tokenizer], vocab_size: int,
+                 eos_token_ids: Sequence[int]):
+        # a loader instead of a tokenizer: built on the first compile (the worker keeps
+        # no ~20 MB tokenizer resident for grammars it may never see)
+        self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._ll_tokenizer = None
         self._lock = threading.Lock()
 
     @property
+    def tokenizer(self) -> Tokenizer:
+        with self._lock:
+            if not isinstance(self._tokenizer, Tokenizer):
+                self._tokenizer = self._tokenizer()
+            return self._tokenizer
+
+    @property
     def ll_tokenizer(self):
         """The llguidance view of the tokenizer (built once, thread-safe)."""
+        tokenizer = self.tokenizer
         with self._lock:
             if self._ll_tokenizer is None:
                 import llguidance
                 self._ll_tokenizer = llguidance.LLTokenizer(
-                    self.tokenizer.backend.to_str(), n_vocab=self.vocab_size,
+                    tokenizer.backend.to_str(), n_vocab=self.vocab_size,
                     eos_token=self.eos_token_ids)
             return self._ll_tokenizer
 

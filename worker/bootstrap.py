@@ -8,6 +8,7 @@ core is then built from the resulting :class:`ModelFacts`, in-process
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from config.schema import FolioConfig
@@ -30,19 +31,23 @@ class LoadedModel:
     control verbs (sleep, weight updates, collective_rpc)."""
 
     runner: ModelRunner
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None: not kept (bootstrap_model's keep_tokenizer)
     facts: ModelFacts
     control: WorkerControl
 
 
-def bootstrap_model(config: FolioConfig) -> LoadedModel:
+def bootstrap_model(config: FolioConfig, keep_tokenizer: bool = True) -> LoadedModel:
     """Load the model of ``config`` and allocate its KV pool (call on the thread that
     will run the model: torch keeps one OpenMP team per calling thread).
 
     With ``parallel.tensor_parallel_size`` > 1 this process is rank 0: it joins the
     group (the other ranks must be starting: worker/distributed/rank_processes.py or
     `folio serve`) and holds rank 0's slice; the facts are every rank's (the KV pool is
-    the smallest any rank can hold)."""
+    the smallest any rank can hold).
+
+    ``keep_tokenizer=False`` (the worker service, which tokenizes nothing): the tokenizer
+    is dropped once the end tokens are known, and structured output loads it again on
+    its first grammar, so ~15 MB stay off the resident size until then."""
     bound_heap_growth()  # large temporaries go back to the OS (worker/heap.py)
     tp = None
     if config.parallel.is_enabled:
@@ -54,12 +59,15 @@ def bootstrap_model(config: FolioConfig) -> LoadedModel:
     if runner.lora is not None:
         runner.lora.check_declared()  # a bad adapter in the YAML fails start-up
     num_blocks = runner.initialize_kv_cache()
-    tokenizer = Tokenizer.from_model_path(config.model.tokenizer
-                                          or resolve_model_path(config.model.path))
+    load_tokenizer = functools.partial(Tokenizer.from_model_path, config.model.tokenizer
+                                       or resolve_model_path(config.model.path))
+    tokenizer = load_tokenizer()
     if config.speculative.method == "draft_model":
         check_draft_tokenizer(tokenizer, config.speculative.draft_model)
     eos_token_ids = list(dict.fromkeys((*runner.eos_token_ids, *tokenizer.eos_token_ids)))
-    runner.structured_output.use_tokenizer(tokenizer, eos_token_ids)
+    if not keep_tokenizer:
+        tokenizer = None
+    runner.structured_output.use_tokenizer(tokenizer or load_tokenizer, eos_token_ids)
     release_freed_memory()  # what sizing the pool and parsing the tokenizer left behind
     facts = ModelFacts(num_blocks=num_blocks, block_size=config.memory.block_size,
                        max_model_len=runner.max_model_len,

@@ -59,7 +59,7 @@ class WorkerService:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="folio-step")
         # copy_context: the thread's log lines keep the service's bound fields
         loaded = self._pool.submit(contextvars.copy_context().run, bootstrap_model,
-                                   config).result()
+                                   config, False).result()
         self.runner = loaded.runner
         self.control = loaded.control
         self.num_blocks = loaded.facts.num_blocks

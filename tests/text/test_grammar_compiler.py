@@ -92,3 +92,18 @@ def test_pathological_grammars_are_bounded_by_the_limits(compiler):
 
 def test_the_choice_text_is_json_and_bounded():
     assert json.loads(spec(choice=['say "hi"', "a\\b"]).text) == ['say "hi"', "a\\b"]
+
+
+def test_a_tokenizer_loader_runs_once_on_the_first_grammar(smollm_tokenizer):
+    """The worker passes a loader: nothing is built until a grammar comes, then once."""
+    calls = []
+
+    def load():
+        calls.append(1)
+        return smollm_tokenizer
+
+    lazy = GrammarCompiler(load, 49152, smollm_tokenizer.eos_token_ids)
+    assert calls == []
+    assert accepts(lazy, spec(regex=r"[ab]+"), "abba")
+    assert accepts(lazy, spec(choice=["yes", "no"]), "no")
+    assert calls == [1] and lazy.tokenizer is smollm_tokenizer

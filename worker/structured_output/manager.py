@@ -10,7 +10,7 @@ the drafts to check. The engine core only learns which rows were deferred.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from engine_core.structured_outputs import GrammarSpec, StructuredOutputReport
@@ -37,8 +37,10 @@ class StructuredOutputManager:
         self.cache = GrammarCache(self._compile)
         self._mask_executor: ThreadPoolExecutor | None = None
 
-    def use_tokenizer(self, tokenizer: Tokenizer, eos_token_ids: Sequence[int]) -> None:
-        """Compile grammars against ``tokenizer``; ``eos_token_ids`` end an output."""
+    def use_tokenizer(self, tokenizer: Tokenizer | Callable[[], Tokenizer],
+                      eos_token_ids: Sequence[int]) -> None:
+        """Compile grammars against ``tokenizer`` (or what the loader gives, on the first
+        grammar); ``eos_token_ids`` end an output."""
         self.eos_token_ids = tuple(eos_token_ids)
         self.compiler = GrammarCompiler(tokenizer, self.vocab_size, self.eos_token_ids)
 
