@@ -170,7 +170,8 @@ def test_int8_route_on_real_activations_is_exactly_its_rounding(int8_llm):
         if isinstance(mod, QuantLinear):
             hooks.append(mod.register_forward_pre_hook(keep_input(name)))
     compute_logits = model.compute_logits
-    model.compute_logits = lambda h: (inputs.setdefault("head", h.clone()), compute_logits(h))[1]
+    model.compute_logits = lambda h, **kw: (inputs.setdefault("head", h.clone()),
+                                             compute_logits(h, **kw))[1]
     try:
         int8_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)

@@ -93,3 +93,13 @@ def _logit_bias(params: list[WorkerSamplingParams],
     return (torch.tensor(rows, dtype=torch.int64, device=device),
             torch.tensor(ids, dtype=torch.int64, device=device),
             torch.tensor(values, dtype=torch.float32, device=device))
+
+
+def takes_argmax_only(params: list[WorkerSamplingParams],
+                      output_ids: list[list[int]]) -> bool:
+    """Whether every row's token is the plain argmax of its raw logits: greedy, with no
+    penalty, bias, min_tokens ban or logprobs to compute (SamplingMetadata.build would
+    leave every optional field empty)."""
+    return all(p.temperature == 0.0 and not p.has_penalties and p.logprobs is None
+               and not p.logit_bias_ids and len(out) >= p.min_tokens and p.grammar is None
+               for p, out in zip(params, output_ids))

@@ -203,5 +203,30 @@ def test_native_row_argmax_matches_torch_with_nan_inf_and_ties(n):
     x[7, 0] = float("nan")
     assert torch.equal(ops.row_argmax(x), x.max(-1).indices)
     assert torch.equal(ops.row_argmax(x[:, : max(1, n // 2)]), x[:, : max(1, n // 2)].max(-1).indices)
+    for dtype in (torch.bfloat16, torch.float16):  # 16-bit rows: their float32 copy's index
+        half = x.to(dtype)
+        assert torch.equal(ops.row_argmax(half), half.float().max(-1).indices)
     with pytest.raises(RuntimeError, match="float32"):
         ops.row_argmax(x.double())
+
+
+@pytest.mark.parametrize("change,expected", [
+    ({}, True),
+    ({"temperature": 0.7}, False),
+    ({"logprobs": 0}, False),
+    ({"repetition_penalty": 1.1}, False),
+    ({"logit_bias_ids": (3,), "logit_bias_values": (1.0,)}, False),
+    ({"min_tokens": 3, "stop_token_ids": (2,)}, False),   # 1 output so far: still banned
+    ({"min_tokens": 1, "stop_token_ids": (2,)}, True),    # past it
+    ({"top_k": 5, "top_p": 0.5}, True),                   # cuts do not move a greedy argmax
+])
+def test_takes_argmax_only_when_nothing_but_the_argmax_is_read(change, expected):
+    """The runner then keeps the LM head's logits in the model's dtype (no float32 copy)."""
+    from worker.sampling_metadata import takes_argmax_only
+    plain = WorkerSamplingParams(temperature=0.0)
+    params = [plain, WorkerSamplingParams(**{"temperature": 0.0, **change})]
+    assert takes_argmax_only(params, [[7], [7]]) is expected
+    md = SamplingMetadata.build(params, [None, None], [[1], [1]], [[7], [7]], (5,))
+    if expected:  # build leaves every optional input empty: the sampler reads argmaxes
+        assert md.all_greedy and md.logit_bias is None and not md.min_tokens_stop_ids
+        assert md.max_num_logprobs is None and md.repetition_penalty is None

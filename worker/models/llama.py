@@ -216,15 +216,19 @@ class LlamaForCausalLM(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Float32 logits ``[n, vocab]`` for the selected hidden states. With ``tp`` a
-        collective: every rank computes its vocabulary slice, rank 0 gets them all and
-        the others None."""
+    def compute_logits(self, hidden: torch.Tensor,
+                       keep_dtype: bool = False) -> torch.Tensor | None:
+        """Float32 logits ``[n, vocab]`` for the selected hidden states (``keep_dtype``:
+        in the activation dtype, for a caller that only takes each row's argmax, which
+        the exact widening to float32 would not change). With ``tp`` a collective: every
+        rank computes its vocabulary slice, rank 0 gets them all and the others None."""
         weight = self.head_weight
         if weight is None:
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = (invariant_linear(hidden, weight) if self.is_batch_invariant
-                  else linear(hidden, weight, None, self.head_choice)).float()
+                  else linear(hidden, weight, None, self.head_choice))
+        if not (keep_dtype and self.tp is None):
+            logits = logits.float()
         if self.tp is None:
             return logits
         logits = self.tp.gather_last_dim(logits)
