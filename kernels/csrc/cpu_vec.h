@@ -3,6 +3,7 @@
 // conversion of bf16/fp16 rows to float, and a vectorised exp for softmax.
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Float8_e5m2.h>
@@ -138,6 +139,18 @@ inline void store(c10::Half* p, vf v) {
 template <typename T>
 constexpr bool kVectorisable = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> ||
                                std::is_same_v<T, c10::Half>;
+
+// f(T{}) with T the element type of `dtype` among those: bf16, fp16, else float (the
+// caller has checked that dtype is one of the three).
+template <typename F>
+inline void with_element_type(c10::ScalarType dtype, F&& f) {
+  if (dtype == c10::ScalarType::BFloat16)
+    f(c10::BFloat16{});
+  else if (dtype == c10::ScalarType::Half)
+    f(c10::Half{});
+  else
+    f(float{});
+}
 
 // v rounded to T and widened back: what storing it as T and loading it gives.
 template <typename T>

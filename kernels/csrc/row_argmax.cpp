@@ -62,19 +62,13 @@ at::Tensor row_argmax(const at::Tensor& x_in) {
   const int64_t rows = x.size(0), n = x.size(1);
   at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
-  const auto run = [&](auto tag) {
+  vec::with_element_type(dtype, [&](auto tag) {
     using T = decltype(tag);
     const T* xp = x.const_data_ptr<T>();
     at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) op[r] = argmax_of(xp + r * n, n);
     });
-  };
-  if (dtype == at::kBFloat16)
-    run(c10::BFloat16{});
-  else if (dtype == at::kHalf)
-    run(c10::Half{});
-  else
-    run(float{});
+  });
   return out;
 }
 

@@ -103,17 +103,11 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
     return act.mul_(gate_up.narrow(1, inter, inter));
   }
   at::Tensor out = at::empty({rows, inter}, gate_up.options());
-  const auto run = [&](auto tag) {
+  vec::with_element_type(dtype, [&](auto tag) {
     using T = decltype(tag);
     silu_mul_rows<T>(gate_up.const_data_ptr<T>(), gate_up.stride(0), out.data_ptr<T>(), rows,
                      inter);
-  };
-  if (dtype == at::kBFloat16)
-    run(c10::BFloat16{});
-  else if (dtype == at::kHalf)
-    run(c10::Half{});
-  else
-    run(float{});
+  });
   return out;
 }
 

@@ -225,16 +225,22 @@ def test_samples_share_their_parents_tenant_and_finish():
     assert engine.get_stats().num_waiting_tokens == 0
 
 
+def tenant_a_running(num_a: int, max_num_seqs: int = 8, policy: str = "fair"):
+    """A scheduler (budget 64) whose tenant A has a0..a{num_a-1} past their prompts."""
+    sched = make_scheduler(num_blocks=256, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=64, policy=policy)
+    executor = FakeExecutor(4)
+    for i in range(num_a):
+        sched.add_request(make_request(f"a{i}", prompt(i, 8), max_tokens=30, tenant="A"))
+    run_step(sched, executor)
+    return sched, executor
+
+
 def test_a_newcomers_short_request_gets_a_step_of_its_own_then_steps_alternate():
     """A decodes a0-a3; B and C arrive (nothing running, prompts within budget / 8) and
     share a step of their own, whose outputs are their first tokens; then an ordinary
     step. D gets a step of its own; E, arriving right after it, joins an ordinary one."""
-    sched = make_scheduler(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=64,
-                           policy="fair")
-    executor = FakeExecutor(4)
-    for i in range(4):
-        sched.add_request(make_request(f"a{i}", prompt(i, 8), max_tokens=30, tenant="A"))
-    run_step(sched, executor)
+    sched, executor = tenant_a_running(4)
     sched.add_request(make_request("b", prompt(10, 6), max_tokens=4, tenant="B"))
     sched.add_request(make_request("c", prompt(11, 5), max_tokens=4, tenant="C"))
     so, outs = run_step(sched, executor)
@@ -250,16 +256,12 @@ def test_a_newcomers_short_request_gets_a_step_of_its_own_then_steps_alternate()
     assert so.num_scheduled_tokens["e"] == 3 and so.num_scheduled_tokens["a0"] == 1
 
 
-@pytest.mark.parametrize("policy,prompt_len,running_too", [
-    ("fair", 9, True),    # longer than budget / 8 = 8: an ordinary, mixed step
-    ("fcfs", 4, True),    # only the fair policy does this
+@pytest.mark.parametrize("policy,prompt_len", [
+    ("fair", 9),    # longer than budget / 8 = 8: an ordinary, mixed step
+    ("fcfs", 4),    # only the fair policy does this
 ])
-def test_long_newcomers_and_fcfs_take_ordinary_steps(policy, prompt_len, running_too):
-    sched = make_scheduler(num_blocks=256, max_num_seqs=8, max_num_batched_tokens=64,
-                           policy=policy)
-    executor = FakeExecutor(4)
-    sched.add_request(make_request("a0", prompt(0, 8), max_tokens=30, tenant="A"))
-    run_step(sched, executor)
+def test_long_newcomers_and_fcfs_take_ordinary_steps(policy, prompt_len):
+    sched, executor = tenant_a_running(1, policy=policy)
     sched.add_request(make_request("b", prompt(10, prompt_len), max_tokens=4, tenant="B"))
     so, _ = run_step(sched, executor)
     assert so.num_scheduled_tokens == {"a0": 1, "b": prompt_len}
@@ -268,12 +270,7 @@ def test_long_newcomers_and_fcfs_take_ordinary_steps(policy, prompt_len, running
 def test_a_newcomer_without_a_free_slot_is_planned_the_ordinary_way():
     """A holds every slot: B's short request gets in by preemption for share, in a mixed
     step (the flood test's case), not by a step of its own."""
-    sched = make_scheduler(num_blocks=256, max_num_seqs=2, max_num_batched_tokens=64,
-                           policy="fair")
-    executor = FakeExecutor(4)
-    for i in range(2):
-        sched.add_request(make_request(f"a{i}", prompt(i, 8), max_tokens=30, tenant="A"))
-    run_step(sched, executor)
+    sched, executor = tenant_a_running(2, max_num_seqs=2)
     sched.add_request(make_request("b", prompt(10, 4), max_tokens=4, tenant="B"))
     so, _ = run_step(sched, executor)
     assert so.preempted_req_ids == ["a1"] and so.num_scheduled_tokens == {"a0": 1, "b": 4}
