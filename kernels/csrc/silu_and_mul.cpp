@@ -10,7 +10,9 @@
 // exported by libtorch_cpu), and the tail of a row shorter than torch's vector takes
 // std::exp as torch's scalar loop does, so the bits equal torch's two ops: per row, torch
 // runs whole pairs of its vectors through SLEEF and the rest through std::exp, and so
-// does this kernel. Rows are split over torch's thread pool.
+// does this kernel (built for the CPU's own vector width, which is the one torch
+// dispatches to unless ATEN_CPU_CAPABILITY narrows it). Rows are split over torch's
+// thread pool.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
