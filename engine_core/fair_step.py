@@ -112,15 +112,13 @@ class FairPlanner:
             return False  # nobody would wait for it: the ordinary plan is the same
         short = plan.token_budget // FIRST_TOKEN_FRACTION
         heads = {t: s.waiting.head(t) for t in s.waiting.tenants() if t not in running}
-        heads = {t: r for t, r in heads.items() if r.num_tokens - r.num_computed_tokens <= short}
-        if not heads:
+        remaining = {t: r.num_tokens - r.num_computed_tokens for t, r in heads.items()}
+        order = sorted((t for t in heads if remaining[t] <= short), key=_tenant_order)
+        if not order:
             return False
-        order = sorted(heads, key=_tenant_order)
         k = self._num_steps % len(order)
         order = order[k:] + order[:k]
-        caps = split_budget(plan.token_budget,
-                            {t: heads[t].num_tokens - heads[t].num_computed_tokens
-                             for t in order},
+        caps = split_budget(plan.token_budget, {t: remaining[t] for t in order},
                             {t: s.tenant_weights.weight(t) for t in order})
         admitted = False
         for tenant in order:

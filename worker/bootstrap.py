@@ -67,7 +67,8 @@ def bootstrap_model(config: FolioConfig, keep_tokenizer: bool = True) -> LoadedM
     eos_token_ids = list(dict.fromkeys((*runner.eos_token_ids, *tokenizer.eos_token_ids)))
     if not keep_tokenizer:
         tokenizer = None
-    runner.structured_output.use_tokenizer(tokenizer or load_tokenizer, eos_token_ids)
+    runner.structured_output.use_tokenizer(load_tokenizer if tokenizer is None else tokenizer,
+                                           eos_token_ids)
     release_freed_memory()  # what sizing the pool and parsing the tokenizer left behind
     facts = ModelFacts(num_blocks=num_blocks, block_size=config.memory.block_size,
                        max_model_len=runner.max_model_len,

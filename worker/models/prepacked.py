@@ -6,7 +6,9 @@ that reorder cost as much as the product. Reordered once at load
 (``torch.ops.mkldnn._reorder_linear_weight``) and multiplied with
 ``torch.ops.mkldnn._linear_pointwise``, the same oneDNN kernels give the same bits
 (the product is not changed, only where the weight's reorder happens) 1.3-2x faster at
-1-64 rows and 2.7x at a 2,048-row prefill chunk (SmolLM2's gate/up projection).
+1-64 rows on an AMX Xeon; at 2,048-row prefill chunks one session measured 2.7x
+(SmolLM2's gate/up projection) and a later one 1.0-1.5x, which is why the choice is
+timed per machine rather than assumed.
 
 The packed copy sits beside the weight (an attribute of the parameter object, never a
 parameter itself, so state dicts, weight updates and sleep mode see the weight as it
