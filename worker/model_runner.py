@@ -22,6 +22,7 @@ from worker.input_batch import InputBatch, build_input_batch
 from worker.kv_cache import KVCacheSpec, copy_blocks, resolve_kv_cache_dtype
 from worker.kv_pool import initialize_kv_pool
 from worker.linear_backend import choose_linear_backends
+from worker.weight_arena import move_to_huge_pages
 from worker.loader import load_model
 from worker.heap import release_freed_memory, trim_after_step
 from worker.quantization import load_weights, quantization_for_device
@@ -82,6 +83,8 @@ class ModelRunner:
         self.quantization = load_weights(self.model, loaded, self.device, self.dtype)
         k_major_weights = (self.device.type == "cpu" and worker_config.k_major_weights
                            and self.model.prepare_for_cpu())
+        if self.device.type == "cpu" and worker_config.huge_pages:
+            move_to_huge_pages(self.model)  # before anything keeps pointers into them
         self.linear_table = (choose_linear_backends(self.model, worker_config.linear_backend)
                              if self.device.type == "cpu" else {})
         fused_decode = (self.device.type == "cpu" and worker_config.fused_decode

@@ -1,0 +1,78 @@
+"""Weights moved onto huge pages (worker/weight_arena.py): the same model, the same bits.
+
+A runner that moved its weights must compute exactly what one that did not computes,
+through the torch layers and through the fused decode layer, with every weight (tied
+embeddings, a K-major head copy, packed quantized blocks) now inside one buffer."""
+from __future__ import annotations
+
+import mmap
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+import worker.weight_arena as weight_arena
+from config.schema import MemoryConfig, ModelConfig, WorkerConfig
+from kernels import cpu_extension
+from tests.worker.gguf_factory import TinyModelSpec, write_tiny_gguf
+from tests.worker.test_fused_decode import decode_both_ways
+from worker.model_runner import ModelRunner
+
+pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"),
+                                reason="no madvise(MADV_HUGEPAGE) on this platform")
+
+
+def test_buffer_is_aligned_zeroed_and_writable():
+    buf = weight_arena.huge_page_buffer(5 * weight_arena.HUGE_PAGE + 123)
+    assert buf.numel() == 5 * weight_arena.HUGE_PAGE + 123 and buf.dtype == torch.uint8
+    assert buf.data_ptr() % weight_arena.HUGE_PAGE == 0
+    assert not buf.any()
+    buf.fill_(7)
+    assert int(buf.sum()) == 7 * buf.numel()
+
+
+def _runner(path, dtype, quantization, huge_pages) -> ModelRunner:
+    return ModelRunner(ModelConfig(path=str(path), dtype=dtype, quantization=quantization),
+                       MemoryConfig(num_blocks=16),
+                       WorkerConfig(device="cpu", huge_pages=huge_pages))
+
+
+@pytest.mark.parametrize("case", ["q4_1", "f16_bf16", "f16_f32"])
+def test_moved_weights_compute_the_same_bits(tmp_path, monkeypatch, case):
+    if not cpu_extension.is_available():
+        pytest.skip("native CPU kernels unavailable")
+    spec = (TinyModelSpec(proj_type=Q.Q4_1, embed_type=Q.Q8_0, weight_scale=0.1,
+                          intermediate_size=128, num_layers=2) if case == "q4_1"
+            else TinyModelSpec(proj_type=Q.F16, weight_scale=0.1, num_layers=2))
+    path = tmp_path / f"{case}.gguf"
+    write_tiny_gguf(path, spec)
+    dtype = "float32" if case == "f16_f32" else "bfloat16"
+    quantization = "auto" if case == "q4_1" else "none"
+    monkeypatch.setattr(weight_arena, "MIN_BYTES", 0)  # the tiny model moves too
+    plain = _runner(path, dtype, quantization, huge_pages=False)
+    moved = _runner(path, dtype, quantization, huge_pages=True)
+
+    tensors = weight_arena._weight_tensors(moved.model)
+    arena = {t.untyped_storage().data_ptr() for t in tensors}
+    assert len(arena) == 1  # one buffer
+    assert len({t.untyped_storage().data_ptr()
+                for t in weight_arena._weight_tensors(plain.model)}) > 1
+    if case == "q4_1":
+        assert moved.quantization == "gguf"
+        packed = moved.model.layers[0].mlp.down_proj.weight
+        assert {packed.qs.untyped_storage().data_ptr()} == arena
+    head = moved.model.head_weight  # a packed head or a K-major copy moved along
+    if head is not None:
+        assert {getattr(head, "qs", head).untyped_storage().data_ptr()} == arena
+    for (h_ref, c_ref), (h, c) in zip(decode_both_ways(plain), decode_both_ways(moved)):
+        assert torch.equal(h, h_ref)
+        assert all(torch.equal(a, b) for a, b in zip(c, c_ref))
+
+
+def test_small_models_stay_as_loaded(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, TinyModelSpec(proj_type=Q.F16, num_layers=1))
+    runner = _runner(path, "float32", "none", huge_pages=True)
+    assert weight_arena.move_to_huge_pages(runner.model) == 0  # under MIN_BYTES
+    assert len({t.untyped_storage().data_ptr()
+                for t in weight_arena._weight_tensors(runner.model)}) > 1
