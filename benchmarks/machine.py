@@ -47,9 +47,9 @@ def memory_bandwidth_gb_s(size_mib: int = 512, repeats: int = 5) -> float:
     """Read bandwidth, GB/s: the best of ``repeats`` sums over a buffer far larger than
     the caches, on torch's threads (what a decode step's weight streaming can reach).
     Measured on 4 KB pages and on transparent huge pages (where the weights sit,
-    worker/weight_arena.py), the higher counts: here a sum read ~24 GB/s from the first
+    worker/huge_pages.py), the higher counts: here a sum read ~24 GB/s from the first
     and ~30 GB/s from the second."""
-    from worker.weight_arena import huge_page_buffer
+    from worker.huge_pages import huge_page_buffer
     nbytes = size_mib * 2 ** 20
     huge = huge_page_buffer(nbytes)
     buffers = [torch.ones(nbytes // 4)] + ([] if huge is None else [huge.view(torch.float32)])

@@ -173,7 +173,7 @@ class WorkerConfig:
                             "mode or an fp8/int8 KV cache take the torch layers")
     huge_pages: bool = _f(True, "CPU: copy the weights of a model of 64 MiB and more into "
                           "one buffer on transparent huge pages (madvise) at load: decode "
-                          "streams them with fewer TLB misses (worker/weight_arena.py)")
+                          "streams them with fewer TLB misses (worker/huge_pages.py)")
     enable_sleep_mode: bool = _f(False, "serve LLM.sleep/wake_up and POST /sleep, /wake_up, "
                                  "GET /is_sleeping (RL hooks: free the KV pool, level 2 "
                                  "the weights too, between generations)")

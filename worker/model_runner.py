@@ -22,7 +22,7 @@ from worker.input_batch import InputBatch, build_input_batch
 from worker.kv_cache import KVCacheSpec, copy_blocks, resolve_kv_cache_dtype
 from worker.kv_pool import initialize_kv_pool
 from worker.linear_backend import choose_linear_backends
-from worker.weight_arena import move_to_huge_pages
+from worker.huge_pages import move_to_huge_pages
 from worker.loader import load_model
 from worker.heap import release_freed_memory, trim_after_step
 from worker.quantization import load_weights, quantization_for_device

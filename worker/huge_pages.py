@@ -12,6 +12,11 @@ re-points the existing tensors (``Tensor.set_``) at their copy, so every holder 
 weight (tied embeddings, a K-major head copy, a packed weight's ``qs``/``scales``) sees
 the move, and tensors sharing a storage keep sharing one copy. Call it before anything
 keeps raw pointers into the weights (the oneDNN packs, the fused decode layer).
+
+torch's own switch (``THP_MEM_ALLOC_ENABLE``: every tensor of 2 MB and more 2 MB-aligned
+and advised) was measured too: 3-6% faster offline in three alternated pairs of Folio
+alone, within noise in two pairs beside HF `generate` (which it speeds up as well), and
+~25 MB more resident in the served worker; it is left off.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Weights moved onto huge pages (worker/weight_arena.py): the same model, the same bits.
+"""Weights moved onto huge pages (worker/huge_pages.py): the same model, the same bits.
 
 A runner that moved its weights must compute exactly what one that did not computes,
 through the torch layers and through the fused decode layer, with every weight (tied
@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-import worker.weight_arena as weight_arena
+import worker.huge_pages as hp
 from config.schema import MemoryConfig, ModelConfig, WorkerConfig
 from kernels import cpu_extension
 from tests.worker.gguf_factory import TinyModelSpec, write_tiny_gguf
@@ -23,9 +23,9 @@ pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"),
 
 
 def test_buffer_is_aligned_zeroed_and_writable():
-    buf = weight_arena.huge_page_buffer(5 * weight_arena.HUGE_PAGE + 123)
-    assert buf.numel() == 5 * weight_arena.HUGE_PAGE + 123 and buf.dtype == torch.uint8
-    assert buf.data_ptr() % weight_arena.HUGE_PAGE == 0
+    buf = hp.huge_page_buffer(5 * hp.HUGE_PAGE + 123)
+    assert buf.numel() == 5 * hp.HUGE_PAGE + 123 and buf.dtype == torch.uint8
+    assert buf.data_ptr() % hp.HUGE_PAGE == 0
     assert not buf.any()
     buf.fill_(7)
     assert int(buf.sum()) == 7 * buf.numel()
@@ -48,15 +48,15 @@ def test_moved_weights_compute_the_same_bits(tmp_path, monkeypatch, case):
     write_tiny_gguf(path, spec)
     dtype = "float32" if case == "f16_f32" else "bfloat16"
     quantization = "auto" if case == "q4_1" else "none"
-    monkeypatch.setattr(weight_arena, "MIN_BYTES", 0)  # the tiny model moves too
+    monkeypatch.setattr(hp, "MIN_BYTES", 0)  # the tiny model moves too
     plain = _runner(path, dtype, quantization, huge_pages=False)
     moved = _runner(path, dtype, quantization, huge_pages=True)
 
-    tensors = weight_arena._weight_tensors(moved.model)
+    tensors = hp._weight_tensors(moved.model)
     arena = {t.untyped_storage().data_ptr() for t in tensors}
     assert len(arena) == 1  # one buffer
     assert len({t.untyped_storage().data_ptr()
-                for t in weight_arena._weight_tensors(plain.model)}) > 1
+                for t in hp._weight_tensors(plain.model)}) > 1
     if case == "q4_1":
         assert moved.quantization == "gguf"
         packed = moved.model.layers[0].mlp.down_proj.weight
@@ -73,6 +73,6 @@ def test_small_models_stay_as_loaded(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_tiny_gguf(path, TinyModelSpec(proj_type=Q.F16, num_layers=1))
     runner = _runner(path, "float32", "none", huge_pages=True)
-    assert weight_arena.move_to_huge_pages(runner.model) == 0  # under MIN_BYTES
+    assert hp.move_to_huge_pages(runner.model) == 0  # under MIN_BYTES
     assert len({t.untyped_storage().data_ptr()
-                for t in weight_arena._weight_tensors(runner.model)}) > 1
+                for t in hp._weight_tensors(runner.model)}) > 1
