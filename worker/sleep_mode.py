@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from observability.logging import get_logger
+from worker.huge_pages import move_to_huge_pages
 from worker.kv_cache import allocate_kv_cache
 from worker.kv_pool import maybe_capture_cuda_graphs
 from worker.loader import load_model
@@ -130,4 +131,6 @@ class SleepMode:
         del loaded
         if self._had_head_copy:
             model.head_weight = k_major(model.embed_tokens.weight)
+        if r.device.type == "cpu" and r.worker_config.huge_pages:
+            move_to_huge_pages(model)  # back on 2 MB pages, as loaded at start-up
         release_host_memory()

@@ -16,6 +16,7 @@ from config.schema import MemoryConfig, ModelConfig, WorkerConfig
 from kernels import cpu_extension
 from tests.worker.gguf_factory import TinyModelSpec, write_tiny_gguf
 from tests.worker.test_fused_decode import decode_both_ways
+from worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from worker.model_runner import ModelRunner
 
 pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"),
@@ -76,3 +77,25 @@ def test_small_models_stay_as_loaded(tmp_path):
     assert hp.move_to_huge_pages(runner.model) == 0  # under MIN_BYTES
     assert len({t.untyped_storage().data_ptr()
                 for t in hp._weight_tensors(runner.model)}) > 1
+
+
+def test_weights_return_to_huge_pages_after_a_level_2_sleep(tmp_path, monkeypatch):
+    """Sleep level 2 frees the buffer with the parameters; waking reloads the weights
+    and moves them back into one buffer, computing what they computed before."""
+    if not cpu_extension.is_available():
+        pytest.skip("native CPU kernels unavailable")
+    from worker.sleep_mode import SleepMode
+    path = tmp_path / "f16.gguf"
+    write_tiny_gguf(path, TinyModelSpec(proj_type=Q.F16, weight_scale=0.1, num_layers=2))
+    monkeypatch.setattr(hp, "MIN_BYTES", 0)
+    plain = _runner(path, "bfloat16", "none", huge_pages=False)
+    moved = _runner(path, "bfloat16", "none", huge_pages=True)
+    moved.kv_caches = allocate_kv_cache(KVCacheSpec.for_model(moved.arch, 16, moved.dtype), 16,
+                                        moved.device)
+    sleep = SleepMode(moved)
+    sleep.sleep(2)
+    assert all(t.numel() == 0 for t in moved.model.parameters())
+    sleep.wake_up()
+    assert len({t.untyped_storage().data_ptr() for t in hp._weight_tensors(moved.model)}) == 1
+    for (h_ref, _), (h, _) in zip(decode_both_ways(plain), decode_both_ways(moved)):
+        assert torch.equal(h, h_ref)
