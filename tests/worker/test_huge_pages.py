@@ -33,9 +33,11 @@ def test_buffer_is_aligned_zeroed_and_writable():
 
 
 def _runner(path, dtype, quantization, huge_pages) -> ModelRunner:
+    # one forced linear path: measured at load, two runners on a busy machine could
+    # choose differently, and exact paths differ in their summation order
     return ModelRunner(ModelConfig(path=str(path), dtype=dtype, quantization=quantization),
                        MemoryConfig(num_blocks=16),
-                       WorkerConfig(device="cpu", huge_pages=huge_pages))
+                       WorkerConfig(device="cpu", huge_pages=huge_pages, linear_backend="widen"))
 
 
 @pytest.mark.parametrize("case", ["q4_1", "f16_bf16", "f16_f32"])
