@@ -2,8 +2,8 @@
 
 Builds ``kernels/csrc/quant_tiles.h`` as it was at ``--base`` (a git revision) and as it is
 in the working tree into one small program, each copy in its own namespace, and times
-their widening tile (one thread, one activation row) on the same random matrix in each
-GGUF format,
+their widening tile (``--tile int8``: the AVX2 int8 tile) (one thread, one activation
+row) on the same random matrix in each GGUF format,
 alternating A B A B; prints the best time of each, the ratio, and whether the two
 outputs are bit for bit equal. ``--march`` builds for another instruction set than this
 machine's (``haswell``: the AVX2 forms, which this machine runs too).
@@ -56,6 +56,37 @@ extern "C" void widen_{v}(long fmt, const uint8_t* qs, const uint8_t* sc, long B
   else if (fmt == kQ4_0) widen<kQ4_0>(qs, sc, B, groups, x, xsum, out);
   else widen<kQ8_0>(qs, sc, B, groups, x, xsum, out);
 }}
+#ifdef __AVX2__
+template <int64_t Fmt>
+void dot8(const uint8_t* qs, const uint8_t* sc, long B, long groups, const float* x, float* out) {{
+  using namespace folio_{v}::quant;
+  long qsz, ssz;
+  layout_{v}(Fmt, B, &qsz, &ssz);
+  QuantizedRows xr;  // one activation row, quantized per block as the int8 routes take it
+  xr.rows = 1;
+  xr.blocks = B;
+  xr.q.resize(B * 32);
+  xr.scale.resize(B);
+  xr.sum.resize(B);
+  xr.msum.resize(B);
+  xr.sum16.resize(2 * B);
+  for (long b = 0; b < B; ++b) {{
+    quantize_block(x + 32 * b, xr.q.data() + 32 * b, xr.scale[b], xr.sum[b], xr.sum16.data() + 2 * b);
+    xr.msum[b] = xr.scale[b] * static_cast<float>(xr.sum[b]);
+  }}
+  for (long g = 0; g < groups; ++g)
+    tile_avx2<Fmt, 1>(qs + g * qsz, sc + g * ssz, B, xr, 0, out + 16 * g);
+}}
+extern "C" void int8_{v}(long fmt, const uint8_t* qs, const uint8_t* sc, long B, long groups,
+                         const float* x, const float* xsum, float* out) {{
+  using namespace folio_{v}::quant;
+  if (fmt == kQ4_K) dot8<kQ4_K>(qs, sc, B, groups, x, out);
+  else if (fmt == kQ6_K) dot8<kQ6_K>(qs, sc, B, groups, x, out);
+  else if (fmt == kQ4_1) dot8<kQ4_1>(qs, sc, B, groups, x, out);
+  else if (fmt == kQ4_0) dot8<kQ4_0>(qs, sc, B, groups, x, out);
+  else dot8<kQ8_0>(qs, sc, B, groups, x, out);
+}}
+#endif
 """
 
 MAIN = r"""#include <chrono>
@@ -64,8 +95,8 @@ MAIN = r"""#include <chrono>
 #include <cstring>
 #include <random>
 #include <vector>
-extern "C" void widen_a(long, const uint8_t*, const uint8_t*, long, long, const float*, const float*, float*);
-extern "C" void widen_b(long, const uint8_t*, const uint8_t*, long, long, const float*, const float*, float*);
+extern "C" void TILE_a(long, const uint8_t*, const uint8_t*, long, long, const float*, const float*, float*);
+extern "C" void TILE_b(long, const uint8_t*, const uint8_t*, long, long, const float*, const float*, float*);
 extern "C" void layout_a(long, long, long*, long*);
 extern "C" void layout_b(long, long, long*, long*);
 int main(int argc, char** argv) {
@@ -92,7 +123,7 @@ int main(int argc, char** argv) {
     for (long rep = 0; rep < reps; ++rep)
       for (int w = 0; w < 2; ++w) {
         const auto t = std::chrono::steady_clock::now();
-        (w ? widen_b : widen_a)(fmt, qs.data(), sc.data(), B, groups, x.data(), xsum.data(),
+        (w ? TILE_b : TILE_a)(fmt, qs.data(), sc.data(), B, groups, x.data(), xsum.data(),
                                 w ? out_b.data() : out_a.data());
         const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
         if (s < best[w]) best[w] = s;
@@ -105,8 +136,9 @@ int main(int argc, char** argv) {
 """
 
 
-def build(base: str, march: str, folder: Path) -> Path:
-    """The A/B program for one ``-march``: tiles at ``base`` as A, the tree's as B."""
+def build(base: str, march: str, folder: Path, tile: str = "widen") -> Path:
+    """The A/B program for one ``-march`` and ``tile`` (``widen``, or ``int8``: the AVX2
+    int8 tile, activations quantized per block): tiles at ``base`` as A, the tree's as B."""
     import torch
     import torch.utils.cpp_extension as ext
     header = subprocess.run(["git", "show", f"{base}:kernels/csrc/quant_tiles.h"], cwd=REPO,
@@ -116,9 +148,9 @@ def build(base: str, march: str, folder: Path) -> Path:
         '"quant_pack.h"', f'"{CSRC}/quant_pack.h"'))
     for v in "ab":
         (folder / f"tu_{v}.cpp").write_text(TRANSLATION_UNIT.format(v=v))
-    (folder / "main.cpp").write_text(MAIN)
+    (folder / "main.cpp").write_text(MAIN.replace("TILE", tile))
     lib = Path(torch.__file__).parent / "lib"
-    program = folder / f"ab_{march}"
+    program = folder / f"ab_{tile}_{march}"
     subprocess.run(["g++", "-O3", f"-march={march}", "-fopenmp", "-w",
                     *(f"-I{p}" for p in ext.include_paths()), f"-I{folder}",
                     "-o", str(program), *(str(folder / f) for f in ("tu_a.cpp", "tu_b.cpp",
@@ -134,19 +166,22 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=5632, help="weight rows (a multiple of 16)")
     ap.add_argument("--k", type=int, default=2048, help="inputs (a multiple of 256)")
     ap.add_argument("--reps", type=int, default=40)
+    ap.add_argument("--tile", choices=["widen", "int8"], default="widen",
+                    help="widen: the widening tile; int8: the AVX2 int8 tile (tile_avx2)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    report = {"machine": machine_facts(), "base": args.base, "n": args.n, "k": args.k,
+    report = {"machine": machine_facts(), "base": args.base, "tile": args.tile, "n": args.n,
+              "k": args.k,
               "results": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for march in args.march:
-            program = build(args.base, march, Path(tmp))
+            program = build(args.base, march, Path(tmp), args.tile)
             out = subprocess.run([str(program), str(args.n), str(args.k), str(args.reps)],
                                  check=True, capture_output=True, text=True).stdout
             rows = [json.loads(line) for line in out.splitlines()]
             report["results"][march] = rows
             for row in rows:
-                print(f"-march={march} {row['format']} widening tile, 1 thread: "
+                print(f"-march={march} {row['format']} {args.tile} tile, 1 thread: "
                       f"{args.base} {row['base_ms']:.3f} ms, tree {row['tree_ms']:.3f} ms "
                       f"({row['base_ms'] / row['tree_ms']:.2f}x), outputs bit for bit equal: "
                       f"{row['identical']}", flush=True)
