@@ -11,8 +11,11 @@ raising). Below it, a prefill's activations come from the heap and are reused la
 layer: served from mmap instead (a 4 MiB threshold), every layer's gate/up output and
 product were fresh pages, and the page faults took about a fifth of a 2,048-token prefill
 step on a 2-core VM (0.95 -> 0.62 s a step once reused). What the step freed stays
-in the heap until :func:`trim_after_step` (a step of many tokens: its ~70 MB of
-temporaries back to the OS in about 2 ms) or the worker's idle trim hands it back.
+in the heap until :class:`StepTrim` hands it back: after a step of many tokens (its ~70 MB
+of temporaries back to the OS in about 2 ms), and after the first decode-only step that
+follows new requests' prefill (a shorter prompt's temporaries, 20-45 MB that decode
+steps never reuse; the trim costs about 0.1 ms then, once per arrival), or the worker's
+idle trim does.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import functools
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit)
-TRIM_MIN_TOKENS = 512  # steps this large trim after themselves (trim_after_step)
+TRIM_MIN_TOKENS = 512  # steps this large trim after themselves (StepTrim)
 
 
 @functools.cache
@@ -54,10 +57,23 @@ def release_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
-def trim_after_step(num_tokens: int) -> None:
-    """After a step of ``num_tokens``: a large one (prefill chunks) hands its freed
-    temporaries back to the OS, so that the resident size between steps stays what is
-    live; its ~2 ms are well under 1% of such a step. Smaller steps keep theirs for the
-    next step to reuse."""
-    if num_tokens >= TRIM_MIN_TOKENS:
-        release_freed_memory()
+class StepTrim:
+    """When a model process hands its heap's freed pages back: after a step of
+    ``TRIM_MIN_TOKENS`` or more (prefill chunks: ~2 ms, well under 1% of such a step), and
+    after the first decode-only step once new requests have started (their prefill's
+    temporaries, which decode steps never reuse). Other steps keep what they freed for
+    the next step to reuse."""
+
+    def __init__(self) -> None:
+        self.prefill_since_trim = False
+
+    def after_step(self, num_tokens: int, num_new_reqs: int, decode_only: bool) -> bool:
+        """Call after every step; returns whether it trimmed. ``decode_only``: every
+        scheduled request computed exactly one token (no prompt, no drafts)."""
+        after_prefill = decode_only and num_new_reqs == 0 and self.prefill_since_trim
+        self.prefill_since_trim |= num_new_reqs > 0
+        if num_tokens >= TRIM_MIN_TOKENS or after_prefill:
+            release_freed_memory()
+            self.prefill_since_trim = False
+            return True
+        return False

@@ -24,7 +24,7 @@ from worker.kv_pool import initialize_kv_pool
 from worker.linear_backend import choose_linear_backends
 from worker.huge_pages import move_to_huge_pages
 from worker.loader import load_model
-from worker.heap import release_freed_memory, trim_after_step
+from worker.heap import StepTrim, release_freed_memory
 from worker.quantization import load_weights, quantization_for_device
 from worker.lora.lora_manager import LoRAManager
 from worker.lora.lora_step import LoRAStep
@@ -68,6 +68,7 @@ class ModelRunner:
         self.memory_config = memory_config
         self.scheduler_config = scheduler_config or SchedulerConfig()
         self.last_timing = StepTiming()
+        self.heap_trim = StepTrim()  # hands freed temporaries back (worker/heap.py)
         if worker_config.num_threads:
             torch.set_num_threads(worker_config.num_threads)
         self.tp = tp
@@ -245,7 +246,9 @@ class ModelRunner:
             return self._execute(so, traceparent)
         finally:
             if self.device.type == "cpu":
-                trim_after_step(so.total_num_scheduled_tokens)
+                self.heap_trim.after_step(
+                    so.total_num_scheduled_tokens, len(so.scheduled_new_reqs),
+                    so.total_num_scheduled_tokens == len(so.num_scheduled_tokens))
 
     def _execute(self, so: SchedulerOutput, traceparent: str | None) -> ModelRunnerOutput:
         t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """worker/heap.py: a step's freed temporaries stay in the heap for the next step to reuse,
-a large step hands them back afterwards, and allocations past the threshold never stay
-resident."""
+a large step hands them back afterwards, so does the first decode-only step after new
+requests' prefill, and allocations past the threshold never stay resident."""
 import subprocess
 import sys
 import textwrap
@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 
 SCRIPT = textwrap.dedent("""
     import torch
-    from worker.heap import TRIM_MIN_TOKENS, bound_heap_growth, trim_after_step
+    from worker.heap import TRIM_MIN_TOKENS, StepTrim, bound_heap_growth
     assert bound_heap_growth()
     def anon_mib():
         for line in open("/proc/self/status"):
@@ -25,9 +25,10 @@ SCRIPT = textwrap.dedent("""
     last = held.pop()   # kept: the heap's top cannot be trimmed below it
     del held
     freed = anon_mib() - base
-    trim_after_step(TRIM_MIN_TOKENS - 1)
+    trim = StepTrim()
+    assert not trim.after_step(TRIM_MIN_TOKENS - 1, 0, False)
     after_small_step = anon_mib() - base
-    trim_after_step(TRIM_MIN_TOKENS)
+    assert trim.after_step(TRIM_MIN_TOKENS, 0, False)
     print(after_huge, freed, after_small_step, anon_mib() - base)
 """)
 
@@ -41,3 +42,15 @@ def test_temporaries_stay_until_a_large_step_trims_them():
     assert freed >= 48                 # 7 x 8 MiB kept for the next step
     assert after_small_step >= 48      # a small step keeps them
     assert after_large_step <= 16      # a large step hands them back: the 8 MiB held
+
+
+def test_first_decode_only_step_after_new_requests_trims():
+    from worker.heap import StepTrim
+    trim = StepTrim()
+    assert not trim.after_step(4, 0, True)        # decoding, nothing new: keep
+    assert not trim.after_step(130, 1, False)     # a short prompt's prefill: keep
+    assert not trim.after_step(9, 0, False)       # drafts verified: not decode-only
+    assert trim.after_step(4, 0, True)            # the first decode-only step after it
+    assert not trim.after_step(4, 0, True)        # once per arrival
+    assert not trim.after_step(5, 1, True)        # a one-token prompt is decode-shaped...
+    assert trim.after_step(5, 0, True)            # ...and trims on the step after
