@@ -16,7 +16,9 @@ prefilled, then only steps where all B requests decode one token are timed (the 
 ``EngineCore.step()``: scheduling, batch building, forward, sampling, bookkeeping).
 ``--serve`` adds a single stream through ``folio serve`` (one client, TPOT), and
 ``--llama-bench`` llama.cpp's ``llama-bench`` tg128 on the same GGUF and threads
-(benchmarks/llamacpp.py builds it).
+(benchmarks/llamacpp.py builds it); ``--pairs N`` alternates the two N times in one
+sitting and reports each pair's ratio (a shared VM drifts by more than their gap), with
+``--serve`` also for the served stream.
 
     .venv/bin/python benchmarks/decode_roofline.py --batch-sizes 1 32 64 --serve --llama-bench
 """
@@ -177,16 +179,33 @@ def serve_single_stream(args) -> dict:
                 "observability": {"log_level": "warning"}}
     reqs = make_workload(Tokenizer.from_model_path(args.model), "fixed", 4, args.context,
                          128, seed=1)
+    pairs = []
     with serving(settings) as (url, pid):
         model = served_model(url)
         bench_serve(url, model, reqs[:1], LoadSpec(max_concurrency=1))  # warm-up
         report = bench_serve(url, model, reqs, LoadSpec(max_concurrency=1))
         memory = worker_memory(pid, Path(resolve_model_path(args.model)), kv_bytes)
+        if args.pairs:  # the stack idles while llama-bench runs
+            from benchmarks.llamacpp import llama_bench
+            for i in range(args.pairs):
+                served = 1000 / bench_serve(url, model, reqs,
+                                            LoadSpec(max_concurrency=1))["tpot_ms"]["mean"]
+                bench = llama_bench(Path(resolve_model_path(args.model)), args.threads,
+                                    repetitions=2)
+                pairs.append({"folio_serve_tok_s": served, "llama_bench_tok_s": bench["tok_s"],
+                              "ratio": served / bench["tok_s"]})
+                print(f"served pair {i + 1}: Folio serve {served:.1f} tok/s, llama-bench "
+                      f"{bench['tok_s']:.1f} tok/s: {pairs[-1]['ratio']:.2f}x", flush=True)
     tok_s = 1000 / report["tpot_ms"]["mean"]
     print(f"folio serve, 1 client: TPOT {report['tpot_ms']['mean']:.2f} ms -> "
           f"{tok_s:.1f} tok/s", flush=True)
-    return {"tpot_ms": report["tpot_ms"], "tok_s": tok_s, "failed": report["failed"],
-            "worker_memory": memory}
+    out = {"tpot_ms": report["tpot_ms"], "tok_s": tok_s, "failed": report["failed"],
+           "worker_memory": memory}
+    if pairs:
+        out["pairs"] = {"rows": pairs,
+                        "median_ratio": statistics.median(r["ratio"] for r in pairs)}
+        print(f"served alternated pairs, median ratio {out['pairs']['median_ratio']:.2f}x")
+    return out
 
 
 def worker_memory(serve_pid: int, model_file: Path, kv_bytes: int) -> dict:
@@ -207,6 +226,26 @@ def worker_memory(serve_pid: int, model_file: Path, kv_bytes: int) -> dict:
     return {"rss_bytes": rss, "rest_rss_bytes": rest, "peak_rss_bytes": peak,
             "kv_pool_bytes": kv_bytes, "bound_bytes": bound, "within_bound": rss <= bound,
             "within_bound_at_rest": rest <= bound}
+
+
+def alternated_pairs(llm, gguf: Path, args) -> dict:
+    """Folio's batch-1 decode and ``llama-bench`` tg128 alternated ``args.pairs`` times in
+    one sitting: on a shared VM the machine's speed drifts by more than the gap between
+    the two, so each ratio compares neighbours in time (Folio's engine idles while
+    llama-bench runs)."""
+    from benchmarks.llamacpp import llama_bench
+    rows = []
+    for i in range(args.pairs):
+        step = statistics.median(time_decode_steps(llm, 1, args.context, args.steps))
+        bench = llama_bench(gguf, args.threads, repetitions=2)
+        rows.append({"folio_tok_s": 1 / step, "llama_bench_tok_s": bench["tok_s"],
+                     "ratio": 1 / step / bench["tok_s"]})
+        print(f"pair {i + 1}: Folio {1 / step:.1f} tok/s, llama-bench {bench['tok_s']:.1f} "
+              f"tok/s: {rows[-1]['ratio']:.2f}x", flush=True)
+    ratio = statistics.median(r["ratio"] for r in rows)
+    print(f"alternated pairs, median ratio {ratio:.2f}x "
+          f"({min(r['ratio'] for r in rows):.2f}-{max(r['ratio'] for r in rows):.2f}x)")
+    return {"rows": rows, "median_ratio": ratio}
 
 
 def run(args) -> dict:
@@ -235,6 +274,8 @@ def run(args) -> dict:
                                           args.context)
         result["bandwidth_after_gb_s"] = memory_bandwidth_gb_s()
     result["memory"] = memory_row(runner, Path(resolve_model_path(args.model)))
+    if args.pairs:
+        result["pairs"] = alternated_pairs(llm, Path(resolve_model_path(args.model)), args)
     del llm, runner
     if args.serve:
         result["serve_single_stream"] = serve_single_stream(args)
@@ -272,6 +313,9 @@ def main(argv=None):
     ap.add_argument("--serve", action="store_true", help="single stream via folio serve")
     ap.add_argument("--llama-bench", action="store_true",
                     help="llama.cpp llama-bench tg128, same GGUF and threads")
+    ap.add_argument("--pairs", type=int, default=0,
+                    help="alternate Folio's batch-1 decode and llama-bench this many times "
+                         "(a GGUF; needs batch size 1 among --batch-sizes or none)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     result = run(args)
