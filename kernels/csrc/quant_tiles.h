@@ -683,7 +683,7 @@ inline void tile_widen(const uint8_t* qs, const uint8_t* sc, int64_t B, const fl
     return bit_of(k) == kTop ? 0 : bit_of(k);
   };
   // 2^-place_of(k) for the 32 k of a block, built at compile time (a loop here divided
-  // 32 times per group of 16 rows, about a fifth of a 576-wide layer's tile)
+  // 32 times per group of 16 rows: 6% of a 512-wide layer's tile on AVX2)
   struct Unshift { alignas(64) float v[kBlock]; };
   static constexpr Unshift unshift = [place_of] {
     Unshift u{};
