@@ -179,32 +179,24 @@ def serve_single_stream(args) -> dict:
                 "observability": {"log_level": "warning"}}
     reqs = make_workload(Tokenizer.from_model_path(args.model), "fixed", 4, args.context,
                          128, seed=1)
-    pairs = []
+    pairs = None
     with serving(settings) as (url, pid):
         model = served_model(url)
         bench_serve(url, model, reqs[:1], LoadSpec(max_concurrency=1))  # warm-up
         report = bench_serve(url, model, reqs, LoadSpec(max_concurrency=1))
         memory = worker_memory(pid, Path(resolve_model_path(args.model)), kv_bytes)
         if args.pairs:  # the stack idles while llama-bench runs
-            from benchmarks.llamacpp import llama_bench
-            for i in range(args.pairs):
-                served = 1000 / bench_serve(url, model, reqs,
-                                            LoadSpec(max_concurrency=1))["tpot_ms"]["mean"]
-                bench = llama_bench(Path(resolve_model_path(args.model)), args.threads,
-                                    repetitions=2)
-                pairs.append({"folio_serve_tok_s": served, "llama_bench_tok_s": bench["tok_s"],
-                              "ratio": served / bench["tok_s"]})
-                print(f"served pair {i + 1}: Folio serve {served:.1f} tok/s, llama-bench "
-                      f"{bench['tok_s']:.1f} tok/s: {pairs[-1]['ratio']:.2f}x", flush=True)
+            pairs = alternated_pairs(
+                lambda: 1000 / bench_serve(url, model, reqs,
+                                           LoadSpec(max_concurrency=1))["tpot_ms"]["mean"],
+                Path(resolve_model_path(args.model)), args, "folio_serve_tok_s")
     tok_s = 1000 / report["tpot_ms"]["mean"]
     print(f"folio serve, 1 client: TPOT {report['tpot_ms']['mean']:.2f} ms -> "
           f"{tok_s:.1f} tok/s", flush=True)
     out = {"tpot_ms": report["tpot_ms"], "tok_s": tok_s, "failed": report["failed"],
            "worker_memory": memory}
     if pairs:
-        out["pairs"] = {"rows": pairs,
-                        "median_ratio": statistics.median(r["ratio"] for r in pairs)}
-        print(f"served alternated pairs, median ratio {out['pairs']['median_ratio']:.2f}x")
+        out["pairs"] = pairs
     return out
 
 
@@ -228,22 +220,22 @@ def worker_memory(serve_pid: int, model_file: Path, kv_bytes: int) -> dict:
             "within_bound_at_rest": rest <= bound}
 
 
-def alternated_pairs(llm, gguf: Path, args) -> dict:
-    """Folio's batch-1 decode and ``llama-bench`` tg128 alternated ``args.pairs`` times in
-    one sitting: on a shared VM the machine's speed drifts by more than the gap between
-    the two, so each ratio compares neighbours in time (Folio's engine idles while
-    llama-bench runs)."""
+def alternated_pairs(measure, gguf: Path, args, key: str = "folio_tok_s") -> dict:
+    """``measure()`` (Folio's tok/s) and ``llama-bench`` tg128 alternated ``args.pairs``
+    times in one sitting: on a shared VM the machine's speed drifts by more than the gap
+    between the two, so each ratio compares neighbours in time (Folio idles while
+    llama-bench runs). Rows hold Folio's tok/s under ``key``."""
     from benchmarks.llamacpp import llama_bench
     rows = []
     for i in range(args.pairs):
-        step = statistics.median(time_decode_steps(llm, 1, args.context, args.steps))
+        folio = measure()
         bench = llama_bench(gguf, args.threads, repetitions=2)
-        rows.append({"folio_tok_s": 1 / step, "llama_bench_tok_s": bench["tok_s"],
-                     "ratio": 1 / step / bench["tok_s"]})
-        print(f"pair {i + 1}: Folio {1 / step:.1f} tok/s, llama-bench {bench['tok_s']:.1f} "
-              f"tok/s: {rows[-1]['ratio']:.2f}x", flush=True)
+        rows.append({key: folio, "llama_bench_tok_s": bench["tok_s"],
+                     "ratio": folio / bench["tok_s"]})
+        print(f"pair {i + 1}: {key} {folio:.1f}, llama-bench {bench['tok_s']:.1f} tok/s: "
+              f"{rows[-1]['ratio']:.2f}x", flush=True)
     ratio = statistics.median(r["ratio"] for r in rows)
-    print(f"alternated pairs, median ratio {ratio:.2f}x "
+    print(f"{key} alternated with llama-bench, median ratio {ratio:.2f}x "
           f"({min(r['ratio'] for r in rows):.2f}-{max(r['ratio'] for r in rows):.2f}x)")
     return {"rows": rows, "median_ratio": ratio}
 
@@ -275,7 +267,9 @@ def run(args) -> dict:
         result["bandwidth_after_gb_s"] = memory_bandwidth_gb_s()
     result["memory"] = memory_row(runner, Path(resolve_model_path(args.model)))
     if args.pairs:
-        result["pairs"] = alternated_pairs(llm, Path(resolve_model_path(args.model)), args)
+        result["pairs"] = alternated_pairs(
+            lambda: 1 / statistics.median(time_decode_steps(llm, 1, args.context, args.steps)),
+            Path(resolve_model_path(args.model)), args)
     del llm, runner
     if args.serve:
         result["serve_single_stream"] = serve_single_stream(args)
@@ -314,8 +308,8 @@ def main(argv=None):
     ap.add_argument("--llama-bench", action="store_true",
                     help="llama.cpp llama-bench tg128, same GGUF and threads")
     ap.add_argument("--pairs", type=int, default=0,
-                    help="alternate Folio's batch-1 decode and llama-bench this many times "
-                         "(a GGUF; needs batch size 1 among --batch-sizes or none)")
+                    help="alternate Folio's batch-1 decode (and with --serve the served "
+                         "stream) and llama-bench this many times (a GGUF model)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     result = run(args)

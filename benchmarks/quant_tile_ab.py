@@ -63,17 +63,7 @@ void dot8(const uint8_t* qs, const uint8_t* sc, long B, long groups, const float
   long qsz, ssz;
   layout_{v}(Fmt, B, &qsz, &ssz);
   QuantizedRows xr;  // one activation row, quantized per block as the int8 routes take it
-  xr.rows = 1;
-  xr.blocks = B;
-  xr.q.resize(B * 32);
-  xr.scale.resize(B);
-  xr.sum.resize(B);
-  xr.msum.resize(B);
-  xr.sum16.resize(2 * B);
-  for (long b = 0; b < B; ++b) {{
-    quantize_block(x + 32 * b, xr.q.data() + 32 * b, xr.scale[b], xr.sum[b], xr.sum16.data() + 2 * b);
-    xr.msum[b] = xr.scale[b] * static_cast<float>(xr.sum[b]);
-  }}
+  quantize_rows(x, B * 32, 1, B * 32, xr);
   for (long g = 0; g < groups; ++g)
     tile_avx2<Fmt, 1>(qs + g * qsz, sc + g * ssz, B, xr, 0, out + 16 * g);
 }}
@@ -155,7 +145,7 @@ def build(base: str, march: str, folder: Path, tile: str = "widen") -> Path:
                     *(f"-I{p}" for p in ext.include_paths()), f"-I{folder}",
                     "-o", str(program), *(str(folder / f) for f in ("tu_a.cpp", "tu_b.cpp",
                                                                      "main.cpp")),
-                    f"-L{lib}", "-lc10", f"-Wl,-rpath,{lib}"], check=True)
+                    f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"], check=True)
     return program
 
 
