@@ -117,11 +117,14 @@ async def run_attack(url: str, name: str, num: int, attacker_nice: int) -> dict:
 async def run_fairness(url: str, num: int, tokenizer) -> dict:
     ids = tokenizer.encode("The history of the sea " * 200)[:512]
     unloaded = await ttfts(url, VICTIM, num)
+    t0 = time.perf_counter()
     flood = asyncio.ensure_future(attacks.heavy_tenant(url, bearer(ATTACKER), ids, 64, 128))
     await asyncio.sleep(2.0)
     loaded = await ttfts(url, VICTIM, num)
-    await flood
-    return {"ttft_unloaded_p50_s": statistics.median(unloaded),
+    flood_tokens = await flood
+    flood_s = time.perf_counter() - t0
+    return {"flood_s": flood_s, "flood_output_tok_s": flood_tokens / flood_s,
+            "ttft_unloaded_p50_s": statistics.median(unloaded),
             "ttft_loaded_p50_s": statistics.median(loaded),
             "ttft_loaded_max_s": max(loaded),
             "ratio_p50": statistics.median(loaded) / statistics.median(unloaded),
@@ -138,9 +141,10 @@ def cpu_info() -> dict:
             "cpus": fields.get("CPU(s)", "").strip()}
 
 
-def settings(args, policy: str = "fcfs") -> dict:
+def settings(args, policy: str = "fcfs", max_step_ms: float | None = None) -> dict:
     return {"model": {"dtype": args.dtype}, "api": {"api_keys": [VICTIM, ATTACKER]},
-            "scheduler": {"policy": policy}, "observability": {"log_level": "warning"}}
+            "scheduler": {"policy": policy, "max_step_ms": max_step_ms},
+            "observability": {"log_level": "warning"}}
 
 
 def main() -> int:
@@ -151,6 +155,9 @@ def main() -> int:
     parser.add_argument("--no-fairness", action="store_true")
     parser.add_argument("--attacker-nice", type=int, default=10,
                         help="nice value of the attacking client's process (0: equal)")
+    parser.add_argument("--policies", default="fcfs,fair",
+                        help="fairness part: policies to compare, each optionally with a "
+                             "scheduler.max_step_ms, e.g. fcfs,fair,fair:150")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     report = {"cpu": cpu_info(), "dtype": args.dtype, "attacks": [], "fairness": {}}
@@ -163,10 +170,12 @@ def main() -> int:
     if not args.no_fairness:
         from text.tokenizer import Tokenizer
         tokenizer = Tokenizer.from_model_path("default")
-        for policy in ("fcfs", "fair"):
-            with serving(settings(args, policy)) as (url, _):
-                report["fairness"][policy] = asyncio.run(run_fairness(url, 5, tokenizer))
-            print(policy, json.dumps(report["fairness"][policy]), flush=True)
+        for name in args.policies.split(","):
+            policy, _, max_step_ms = name.partition(":")
+            with serving(settings(args, policy, float(max_step_ms) if max_step_ms
+                                  else None)) as (url, _):
+                report["fairness"][name] = asyncio.run(run_fairness(url, 5, tokenizer))
+            print(name, json.dumps(report["fairness"][name]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0

@@ -93,6 +93,11 @@ class SchedulerConfig:
     max_num_seqs: int = _f(128, "most requests running in one step")
     max_num_batched_tokens: int = _f(2048, "token budget of one step (prefill chunks + decodes)")
     enable_chunked_prefill: bool = _f(True, "split long prompts across steps under the budget")
+    max_step_ms: float | None = _f(None, "target time of one step: the engine core learns "
+                                   "step times from the steps it runs and lowers a step's "
+                                   "prefill tokens to fit beside its decodes (never under a "
+                                   "block a step), bounding how long a new request waits "
+                                   "for the step in flight; null: the token budget only")
     policy: str = _f("fcfs", "fcfs (arrival order), priority (lower priority value first) "
                      "or fair (tenants share slots and tokens by weight: deficit round "
                      "robin, weights per request from api.tenant_weights)")
@@ -112,6 +117,8 @@ class SchedulerConfig:
                "scheduler.max_num_queued_tokens", "must be at least 1 (or null)")
         _check(self.max_num_batched_tokens >= 1, "scheduler.max_num_batched_tokens",
                "must be at least 1")
+        _check(self.max_step_ms is None or self.max_step_ms > 0, "scheduler.max_step_ms",
+               "must be positive (or null)")
         _check(self.policy in POLICIES, "scheduler.policy",
                f"must be one of {POLICIES}, got {self.policy!r}")
 

@@ -110,7 +110,7 @@ class FairPlanner:
         running = {r.tenant for r in s.running}
         if not running:
             return False  # nobody would wait for it: the ordinary plan is the same
-        short = plan.token_budget // FIRST_TOKEN_FRACTION
+        short = s.config.max_num_batched_tokens // FIRST_TOKEN_FRACTION
         heads = {t: s.waiting.head(t) for t in s.waiting.tenants() if t not in running}
         remaining = {t: r.num_tokens - r.num_computed_tokens for t, r in heads.items()}
         order = sorted((t for t in heads if remaining[t] <= short), key=_tenant_order)
@@ -118,6 +118,9 @@ class FairPlanner:
             return False
         k = self._num_steps % len(order)
         order = order[k:] + order[:k]
+        # Nobody else runs in this step: a budget lowered for max_step_ms (sized
+        # beside the running decodes) does not apply to it.
+        lowered, plan.token_budget = plan.token_budget, s.config.max_num_batched_tokens
         caps = split_budget(plan.token_budget, {t: remaining[t] for t in order},
                             {t: s.tenant_weights.weight(t) for t in order})
         admitted = False
@@ -125,6 +128,8 @@ class FairPlanner:
             if len(s.running) >= s.config.max_num_seqs:
                 break
             admitted |= s.admit(heads[tenant], plan, caps[tenant])
+        if not admitted:
+            plan.token_budget = lowered
         return admitted
 
     def measure_shares(self) -> TenantShares:

@@ -11,6 +11,7 @@ with speculative decoding it steps back over drafts the runner rejected
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterable
 
 from config.lora import LoRAConfig
@@ -30,6 +31,7 @@ from engine_core.request_queue import RequestQueue
 from engine_core.sampling_params import InvalidRequestError
 from engine_core.scheduler_output import SchedulerOutput
 from engine_core.spec.speculator import speculator_for
+from engine_core.step_cost import StepCost, StepShape
 from engine_core.step_plan import StepPlan
 from engine_core.tenant_shares import TenantWeights
 
@@ -80,6 +82,10 @@ class Scheduler:
         self.speculator = speculator_for(speculative_config, self.kv_cache_manager,
                                          max_model_len)
         self.num_preemptions = 0
+        # Step times, learned always so that a retune to a max_step_ms acts at once.
+        self.step_cost = StepCost()
+        self.clock = time.monotonic
+        self._timed_step: tuple[SchedulerOutput, StepShape, float] | None = None
         self._children: dict[str, list[str]] = {}  # parent id -> live sample ids
         self._runner_req_ids: set[str] = set()  # requests the runner holds state for
         self._finished_req_ids: set[str] = set()
@@ -127,14 +133,43 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step (the policy's planner decides the grants)."""
-        plan = StepPlan(token_budget=self.config.max_num_batched_tokens)
+        plan = StepPlan(token_budget=self.token_budget())
         if self.lora is not None:
             for request in reversed(self.lora.begin_step(self.running)):
                 self.waiting.add_front(request)
         self.planner.plan_step(plan)
         if self.speculator is not None:
             self.speculator.grant_drafts(plan, self.running)
-        return self._make_output(plan)
+        shape = self._shape_of(plan)
+        out = self._make_output(plan)
+        self._timed_step = (out, shape, self.clock())
+        return out
+
+    def token_budget(self) -> int:
+        """This step's token budget: ``max_num_batched_tokens``, or with
+        ``max_step_ms`` set, the running decodes plus the prefill tokens predicted to
+        fit beside them within it (engine_core/step_cost.py)."""
+        budget = self.config.max_num_batched_tokens
+        if self.config.max_step_ms is None:
+            return budget
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+        num_prefill = self.step_cost.prefill_tokens_within(
+            self.config.max_step_ms, len(decodes),
+            sum(r.num_computed_tokens for r in decodes), self.block_size)
+        return budget if num_prefill is None else min(budget, len(decodes) + num_prefill)
+
+    def _shape_of(self, plan: StepPlan) -> StepShape:
+        """The plan's prefill and decode tokens (before num_computed_tokens moves)."""
+        num_prefill = num_decode = context = 0
+        for req_id, num in plan.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            if (num - plan.num_spec_tokens.get(req_id, 0) <= 1
+                    and request.num_tokens - request.num_computed_tokens <= 1):
+                num_decode += num
+                context += request.num_computed_tokens
+            else:
+                num_prefill += num
+        return StepShape(num_prefill, num_decode, context)
 
     def num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         """Tokens ``request`` can compute from ``num_computed`` within ``budget``."""
@@ -230,6 +265,11 @@ class Scheduler:
         call come first. Scheduled requests that sampled nothing emit nothing.
         """
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self._timed_step is not None and self._timed_step[0] is scheduler_output:
+            _, shape, started = self._timed_step
+            if shape.num_prefill_tokens + shape.num_decode_tokens > 0:
+                self.step_cost.observe(shape, (self.clock() - started) * 1000.0)
+        self._timed_step = None
         mro = model_runner_output
         position = {req_id: i for i, req_id in enumerate(mro.req_ids)}
         deferred = (set(mro.structured_output.deferred_req_ids)

@@ -30,10 +30,12 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_model_len: int
                    max_num_batched_tokens: int = 16, max_num_seqs: int = 8,
                    enable_chunked_prefill: bool = True, policy: str = "fcfs",
                    enable_prefix_caching: bool = True,
-                   hash_algorithm: str = "sha256") -> Scheduler:
+                   hash_algorithm: str = "sha256",
+                   max_step_ms: float | None = None) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                        enable_chunked_prefill=enable_chunked_prefill, policy=policy),
+                        enable_chunked_prefill=enable_chunked_prefill, policy=policy,
+                        max_step_ms=max_step_ms),
         CacheConfig(enable_prefix_caching=enable_prefix_caching, hash_algorithm=hash_algorithm),
         num_blocks, block_size, max_model_len)
 
