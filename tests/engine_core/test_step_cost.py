@@ -67,21 +67,28 @@ def run_timed_step(sched, executor, clock):
     return so, shape, sched.update_from_output(so, executor.execute_model(so))
 
 
+def flooded_scheduler(policy, max_step_ms, max_num_seqs, num_requests, prompt_len,
+                      max_tokens):
+    """A scheduler on a clock the test drives, with tenant A's flood queued."""
+    sched = make_scheduler(num_blocks=4000, block_size=16, max_model_len=2048,
+                           max_num_batched_tokens=2048, max_num_seqs=max_num_seqs,
+                           policy=policy, max_step_ms=max_step_ms)
+    clock = [0.0]
+    sched.clock = lambda: clock[0]
+    for i in range(num_requests):
+        sched.add_request(make_request(f"a{i}", [i * 5000 + t for t in range(prompt_len)],
+                                       max_tokens=max_tokens, tenant="A"))
+    return sched, FakeExecutor(16), clock
+
+
 @pytest.mark.parametrize("policy", ["fcfs", "fair"])
 def test_steps_stay_within_max_step_ms_once_learned(policy):
     """A tenant floods 24 prompts of 1,000 tokens; uncapped, steps carry 2,048 prefill
     tokens (1.8 s on this machine). With max_step_ms = 120 every step after the first
     few stays within 120 ms plus one prediction error, decodes are never cut, and every
     request still finishes."""
-    sched = make_scheduler(num_blocks=4000, block_size=16, max_model_len=2048,
-                           max_num_batched_tokens=2048, max_num_seqs=32, policy=policy,
-                           max_step_ms=120.0)
-    clock = [0.0]
-    sched.clock = lambda: clock[0]
-    executor = FakeExecutor(16)
-    for i in range(24):
-        sched.add_request(make_request(f"a{i}", [i * 5000 + t for t in range(1000)],
-                                       max_tokens=24, tenant="A"))
+    sched, executor, clock = flooded_scheduler(policy, 120.0, 32, num_requests=24,
+                                               prompt_len=1000, max_tokens=24)
     times, steps = [], 0
     while sched.has_unfinished_requests() and steps < 2000:
         running_decodes = sum(1 for r in sched.running
@@ -102,15 +109,8 @@ def test_fair_newcomer_waits_one_short_step():
     """Under fair with max_step_ms, B's 200-token prompt arriving mid-flood computes in
     the next step, a step of its own (not lowered by the bound), and the step it waited
     for was within the target."""
-    sched = make_scheduler(num_blocks=4000, block_size=16, max_model_len=2048,
-                           max_num_batched_tokens=2048, max_num_seqs=64, policy="fair",
-                           max_step_ms=100.0)
-    clock = [0.0]
-    sched.clock = lambda: clock[0]
-    executor = FakeExecutor(16)
-    for i in range(64):
-        sched.add_request(make_request(f"a{i}", [i * 5000 + t for t in range(512)],
-                                       max_tokens=64, tenant="A"))
+    sched, executor, clock = flooded_scheduler("fair", 100.0, 64, num_requests=64,
+                                               prompt_len=512, max_tokens=64)
     for _ in range(30):
         _, shape, _ = run_timed_step(sched, executor, clock)
     assert linear_ms(shape) <= 105.0
