@@ -90,8 +90,8 @@ class FairPlanner:
             self._was_first_token_step = True
             return
         by_age = sorted(s.running, key=age_key)
-        decodes = [r for r in by_age if r.num_tokens - r.num_computed_tokens <= 1]
-        prefills = [r for r in by_age if r.num_tokens - r.num_computed_tokens > 1]
+        decodes = [r for r in by_age if r.is_decoding]
+        prefills = [r for r in by_age if not r.is_decoding]
         self._grant(decodes, plan)
         caps = self._caps(plan, prefills, self.measure_shares())
         self._grant(prefills, plan, caps)

@@ -115,6 +115,11 @@ class Request:
         return len(self._all_token_ids)
 
     @property
+    def is_decoding(self) -> bool:
+        """At most one token left to compute: its next grant is a decode."""
+        return len(self._all_token_ids) - self.num_computed_tokens <= 1
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 

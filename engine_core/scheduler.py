@@ -152,7 +152,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if self.config.max_step_ms is None:
             return budget
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+        decodes = [r for r in self.running if r.is_decoding]
         num_prefill = self.step_cost.prefill_tokens_within(
             self.config.max_step_ms, len(decodes),
             sum(r.num_computed_tokens for r in decodes), self.block_size)
@@ -163,8 +163,7 @@ class Scheduler:
         num_prefill = num_decode = context = 0
         for req_id, num in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
-            if (num - plan.num_spec_tokens.get(req_id, 0) <= 1
-                    and request.num_tokens - request.num_computed_tokens <= 1):
+            if num - plan.num_spec_tokens.get(req_id, 0) <= 1 and request.is_decoding:
                 num_decode += num
                 context += request.num_computed_tokens
             else:
