@@ -177,6 +177,8 @@ def serve_single_stream(args) -> dict:
                 "memory": {"kv_cache_bytes": kv_bytes},
                 "worker": {"num_threads": args.threads, "linear_backend": args.linear_backend},
                 "observability": {"log_level": "warning"}}
+    if args.scheduler_steps is not None:
+        settings["scheduler"] = {"num_scheduler_steps": args.scheduler_steps}
     reqs = make_workload(Tokenizer.from_model_path(args.model), "fixed", 4, args.context,
                          128, seed=1)
     pairs = None
@@ -310,6 +312,9 @@ def main(argv=None):
     ap.add_argument("--pairs", type=int, default=0,
                     help="alternate Folio's batch-1 decode (and with --serve the served "
                          "stream) and llama-bench this many times (a GGUF model)")
+    ap.add_argument("--scheduler-steps", type=int, default=None,
+                    help="scheduler.num_scheduler_steps of the served stack (default: "
+                         "the YAML's)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     result = run(args)

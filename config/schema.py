@@ -98,6 +98,12 @@ class SchedulerConfig:
                                    "prefill tokens to fit beside its decodes (never under a "
                                    "block a step), bounding how long a new request waits "
                                    "for the step in flight; null: the token budget only")
+    num_scheduler_steps: int = _f(1, "decode steps the worker runs back to back for one "
+                                  "plan when every running request is a plain decode and "
+                                  "nothing waits: the engine core and the API handle each "
+                                  "request's tokens once per run of steps, not once per "
+                                  "token (vLLM's multi-step scheduling); a newcomer waits "
+                                  "for the run in flight. 1: one step per plan")
     policy: str = _f("fcfs", "fcfs (arrival order), priority (lower priority value first) "
                      "or fair (tenants share slots and tokens by weight: deficit round "
                      "robin, weights per request from api.tenant_weights)")
@@ -119,6 +125,8 @@ class SchedulerConfig:
                "must be at least 1")
         _check(self.max_step_ms is None or self.max_step_ms > 0, "scheduler.max_step_ms",
                "must be positive (or null)")
+        _check(self.num_scheduler_steps >= 1, "scheduler.num_scheduler_steps",
+               "must be at least 1")
         _check(self.policy in POLICIES, "scheduler.policy",
                f"must be one of {POLICIES}, got {self.policy!r}")
 

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from config.lora import LoRAConfig
 from config.schema import CacheConfig, SchedulerConfig
 from config.speculative import SpeculativeConfig
+from engine_core.decode_steps import grant_decode_steps, is_plain_run, steps_within
 from engine_core.fair_queue import FairQueue
 from engine_core.fair_step import FairPlanner
 from engine_core.fork_tracker import ForkTracker
@@ -85,7 +86,8 @@ class Scheduler:
         # Step times, learned always so that a retune to a max_step_ms acts at once.
         self.step_cost = StepCost()
         self.clock = time.monotonic
-        self._timed_step: tuple[SchedulerOutput, StepShape, float] | None = None
+        # (the step, its shape, its start, its decode steps): one step's time is learned
+        self._timed_step: tuple[SchedulerOutput, StepShape, float, int] | None = None
         self._children: dict[str, list[str]] = {}  # parent id -> live sample ids
         self._runner_req_ids: set[str] = set()  # requests the runner holds state for
         self._finished_req_ids: set[str] = set()
@@ -140,10 +142,24 @@ class Scheduler:
         self.planner.plan_step(plan)
         if self.speculator is not None:
             self.speculator.grant_drafts(plan, self.running)
+        else:
+            self._grant_decode_steps(plan)
         shape = self._shape_of(plan)
         out = self._make_output(plan)
-        self._timed_step = (out, shape, self.clock())
+        self._timed_step = (out, shape, self.clock(), plan.num_decode_steps)
         return out
+
+    def _grant_decode_steps(self, plan: StepPlan) -> None:
+        """Turn a step of plain decodes into a run of up to ``num_scheduler_steps``
+        when nobody waits (engine_core/decode_steps.py)."""
+        if (self.config.num_scheduler_steps <= 1 or self.num_waiting
+                or not is_plain_run(plan, self.running)):
+            return
+        num_steps = steps_within(self.config.num_scheduler_steps, self.config.max_step_ms,
+                                 self.step_cost, self.running)
+        if num_steps > 1:
+            grant_decode_steps(plan, self.running, num_steps, self.kv_cache_manager,
+                               self.max_model_len)
 
     def token_budget(self) -> int:
         """This step's token budget: ``max_num_batched_tokens``, or with
@@ -159,7 +175,11 @@ class Scheduler:
         return budget if num_prefill is None else min(budget, len(decodes) + num_prefill)
 
     def _shape_of(self, plan: StepPlan) -> StepShape:
-        """The plan's prefill and decode tokens (before num_computed_tokens moves)."""
+        """The plan's prefill and decode tokens (before num_computed_tokens moves); of
+        one step of a run of decode steps."""
+        if plan.num_decode_steps > 1:
+            decodes = [self.requests[r] for r in plan.num_scheduled_tokens]
+            return StepShape(0, len(decodes), sum(r.num_computed_tokens for r in decodes))
         num_prefill = num_decode = context = 0
         for req_id, num in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
@@ -265,9 +285,9 @@ class Scheduler:
         """
         outputs, self._pending_outputs = self._pending_outputs, []
         if self._timed_step is not None and self._timed_step[0] is scheduler_output:
-            _, shape, started = self._timed_step
+            _, shape, started, num_steps = self._timed_step
             if shape.num_prefill_tokens + shape.num_decode_tokens > 0:
-                self.step_cost.observe(shape, (self.clock() - started) * 1000.0)
+                self.step_cost.observe(shape, (self.clock() - started) * 1000.0 / num_steps)
         self._timed_step = None
         mro = model_runner_output
         position = {req_id: i for i, req_id in enumerate(mro.req_ids)}

@@ -63,6 +63,11 @@ class SchedulerOutput:
     A request with drafts computes its last known token plus the drafts (one k+1-token
     chunk) and may get up to k+1 tokens back: the accepted drafts, then the model's
     own next token.
+
+    ``num_decode_steps`` > 1: a run of decode steps (engine_core/decode_steps.py).
+    Every scheduled request is then a plain decode that computes its last known token
+    and samples ``num_scheduled_tokens[r]`` times, each sampled token the next step's
+    input, and gets that many tokens back.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -80,6 +85,7 @@ class SchedulerOutput:
     # (ngram); a request without an entry there gets them from the worker's draft model.
     num_spec_tokens: dict[str, int] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    num_decode_steps: int = 1
 
     @property
     def is_empty(self) -> bool:

@@ -28,6 +28,9 @@ class StepPlan:
     # and their ids when the engine core proposed them.
     num_spec_tokens: dict[str, int] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Multi-step decoding (engine_core/decode_steps.py): the longest run of decode steps
+    # any request was granted; 1: an ordinary step.
+    num_decode_steps: int = 1
 
     def _take(self, request: Request, num_tokens: int) -> None:
         if num_tokens <= 0 or num_tokens > self.token_budget:
@@ -63,6 +66,21 @@ class StepPlan:
         self.num_spec_tokens[request.req_id] = num_drafts
         if draft_token_ids is not None:
             self.spec_token_ids[request.req_id] = list(draft_token_ids)
+
+    def add_decode_steps(self, request: Request, num_extra: int,
+                         new_block_ids: list[int]) -> None:
+        """Extend a running decode's one-token grant to a run of ``1 + num_extra``
+        decode steps (engine_core/decode_steps.py)."""
+        if num_extra <= 0 or num_extra > self.token_budget:
+            raise ValueError(f"cannot grant {num_extra} more steps with "
+                             f"{self.token_budget} tokens left")
+        if (self.num_scheduled_tokens.get(request.req_id) != 1
+                or request.req_id not in self.cached_reqs or self.num_spec_tokens):
+            raise ValueError(f"request {request.req_id} cannot run decode steps this step")
+        self.num_scheduled_tokens[request.req_id] += num_extra
+        self.token_budget -= num_extra
+        self.cached_reqs[request.req_id][1].extend(new_block_ids)
+        self.num_decode_steps = max(self.num_decode_steps, 1 + num_extra)
 
     def unschedule(self, request: Request) -> None:
         """Withdraw a grant made earlier this step (no-op if none)."""
@@ -103,4 +121,5 @@ class StepPlan:
             finished_req_ids=finished_req_ids, blocks_to_copy=blocks_to_copy,
             num_cached_tokens=num_cached, preempted_req_ids=list(self.preempted_req_ids),
             num_spec_tokens=dict(self.num_spec_tokens),
-            spec_token_ids=dict(self.spec_token_ids))
+            spec_token_ids=dict(self.spec_token_ids),
+            num_decode_steps=self.num_decode_steps)

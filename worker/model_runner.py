@@ -233,6 +233,18 @@ class ModelRunner:
         tokens, logprobs = self.sampler(logits, md)
         return tokens.tolist(), logprobs
 
+    def _sampling_logits(self, batch: InputBatch, hidden: torch.Tensor,
+                         grammar_step=None) -> torch.Tensor:
+        """Logits of the rows that sample. A step of plain greedy rows samples argmaxes
+        of the LM head's own output: the float32 copy of [rows, vocab] (about a
+        millisecond at 48 rows) changes nothing."""
+        sampling = batch.sampling_states
+        argmax_only = (grammar_step is None and self.spec_sampler is None
+                       and self.device.type == "cpu" and takes_argmax_only(
+                           [s.sampling_params for s in sampling],
+                           [s.output_token_ids for s in sampling]))
+        return self.compute_logits(hidden[batch.logits_indices], keep_dtype=argmax_only)
+
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput,
                       traceparent: str | None = None) -> ModelRunnerOutput:
@@ -248,7 +260,8 @@ class ModelRunner:
             if self.device.type == "cpu":
                 self.heap_trim.after_step(
                     so.total_num_scheduled_tokens, len(so.scheduled_new_reqs),
-                    so.total_num_scheduled_tokens == len(so.num_scheduled_tokens))
+                    so.num_decode_steps > 1
+                    or so.total_num_scheduled_tokens == len(so.num_scheduled_tokens))
 
     def _execute(self, so: SchedulerOutput, traceparent: str | None) -> ModelRunnerOutput:
         t0 = time.perf_counter()
@@ -261,6 +274,8 @@ class ModelRunner:
                 self.channel.send_step(None, *copies, traceparent=traceparent)
             return ModelRunnerOutput()
         req_ids = list(so.num_scheduled_tokens)
+        if so.num_decode_steps > 1:
+            return self._execute_decode_steps(so, req_ids, copies, traceparent, t0)
         states = [self.requests[r] for r in req_ids]
         draft_probs = self._propose_drafts(so)
         batch = build_input_batch(states, [so.num_scheduled_tokens[r] for r in req_ids],
@@ -280,14 +295,7 @@ class ModelRunner:
         for state, n in zip(states, (so.num_scheduled_tokens[r] for r in req_ids)):
             state.num_computed_tokens += n
         sampling = batch.sampling_states
-        # a step of plain greedy rows samples argmaxes of the LM head's own output: the
-        # float32 copy of [rows, vocab] (about a millisecond at 48 rows) changes nothing
-        argmax_only = (grammar_step is None and self.spec_sampler is None
-                       and self.device.type == "cpu" and takes_argmax_only(
-                           [s.sampling_params for s in sampling],
-                           [s.output_token_ids for s in sampling]))
-        logits = (self.compute_logits(hidden[batch.logits_indices], keep_dtype=argmax_only)
-                  if sampling else None)
+        logits = self._sampling_logits(batch, hidden, grammar_step) if sampling else None
         self.synchronize()
         t2 = time.perf_counter()
         timing.forward_seconds = t2 - t1
@@ -318,3 +326,45 @@ class ModelRunner:
                                  structured_output=self.structured_output.take_report(
                                      grammar_step),
                                  prompt_logprobs=prompt_logprobs)
+
+    def _execute_decode_steps(self, so: SchedulerOutput, req_ids: list[str],
+                              copies: tuple[list[int], list[int]], traceparent: str | None,
+                              started: float) -> ModelRunnerOutput:
+        """A run of decode steps (``so.num_decode_steps`` > 1, engine_core/decode_steps.py):
+        request r computes its last token and samples ``num_scheduled_tokens[r]`` times,
+        each token the next step's input; its tokens and logprobs come back together."""
+        timing = self.last_timing
+        remaining = {r: so.num_scheduled_tokens[r] for r in req_ids}
+        tokens: dict[str, list[int]] = {r: [] for r in req_ids}
+        logprobs: dict[str, list] = {r: [] for r in req_ids}
+        t0 = started
+        for _ in range(so.num_decode_steps):
+            states = [self.requests[r] for r in req_ids if remaining[r] > 0]
+            batch = build_input_batch(states, [1] * len(states), self.block_size,
+                                      self.arch.sliding_window, self.attention_backend)
+            lora = (self.lora.prepare_step(batch.lora_ids, batch.request_start_loc)
+                    if self.lora is not None else None)
+            if self.channel is not None:  # the block copies go with the first step
+                self.channel.send_step(batch.arrays, *copies, traceparent=traceparent)
+                copies = [], []
+            t1 = time.perf_counter()
+            timing.prepare_seconds += t1 - t0
+            hidden = self.forward(batch, lora)
+            for state in states:
+                state.num_computed_tokens += 1
+                remaining[state.req_id] -= 1
+            logits = self._sampling_logits(batch, hidden)
+            self.synchronize()
+            t2 = time.perf_counter()
+            timing.forward_seconds += t2 - t1
+            sampled, sampled_logprobs = self.sample(batch.sampling_states, logits)
+            for state, token, lp in zip(batch.sampling_states, sampled, sampled_logprobs):
+                state.token_ids.append(token)
+                tokens[state.req_id].append(token)
+                logprobs[state.req_id].append(lp)
+            t0 = time.perf_counter()
+            timing.sample_seconds += t0 - t2
+        return ModelRunnerOutput(
+            req_ids=req_ids, sampled_token_ids=[tokens[r] for r in req_ids],
+            logprobs=[None if None in logprobs[r] else logprobs[r] for r in req_ids],
+            structured_output=self.structured_output.take_report(None))

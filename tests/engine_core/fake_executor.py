@@ -11,6 +11,9 @@ Speculative decoding: drafts (from the SchedulerOutput, or from ``draft_fn`` whe
 engine core left them to the worker) are written like any token, then verified
 greedily against ``token_fn``: the accepted ones plus the model's own next token come
 back, and the rejected ones' slots are forgotten.
+
+A run of decode steps (``num_decode_steps`` > 1) is that many one-token steps, each
+request taking part in as many as it was granted, its tokens returned together.
 """
 from __future__ import annotations
 
@@ -84,8 +87,29 @@ class FakeExecutor:
                                        else self.draft_fn(list(tokens), k))
             assert len(self.drafts[req_id]) == k, req_id
             tokens.extend(self.drafts[req_id])  # provisionally, until verified
+        if so.num_decode_steps > 1:
+            return self._run_decode_steps(so)
         self._write(so)
         return self._sample(so)
+
+    def _run_decode_steps(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        assert not self.drafts, "a run of decode steps carries no drafts"
+        remaining = dict(so.num_scheduled_tokens)
+        sampled: dict[str, list[int]] = {r: [] for r in remaining}
+        for _ in range(so.num_decode_steps):
+            step = SchedulerOutput(num_scheduled_tokens={r: 1 for r, n in remaining.items()
+                                                         if n > 0})
+            for req_id in step.num_scheduled_tokens:
+                state = self.states[req_id]
+                assert state.num_computed_tokens == len(state.tokens) - 1, \
+                    f"{req_id}: a run of decode steps must start at a plain decode"
+                remaining[req_id] -= 1
+            self._write(step)
+            out = self._sample(step)
+            for req_id, tokens in zip(out.req_ids, out.sampled_token_ids):
+                sampled[req_id].extend(tokens)
+        return ModelRunnerOutput(req_ids=list(sampled), sampled_token_ids=list(sampled.values()),
+                                 logprobs=[None] * len(sampled))
 
     def _write(self, so: SchedulerOutput) -> None:
         bs = self.block_size
