@@ -98,7 +98,7 @@ class SchedulerConfig:
                                    "prefill tokens to fit beside its decodes (never under a "
                                    "block a step), bounding how long a new request waits "
                                    "for the step in flight; null: the token budget only")
-    num_scheduler_steps: int = _f(1, "decode steps the worker runs back to back for one "
+    num_scheduler_steps: int = _f(4, "decode steps the worker runs back to back for one "
                                   "plan when every running request is a plain decode and "
                                   "nothing waits: the engine core and the API handle each "
                                   "request's tokens once per run of steps, not once per "

@@ -202,7 +202,12 @@ class EngineMetrics:
                 if clock.first_scheduled is not None:
                     self.prefill_time.observe(now - clock.first_scheduled)
             elif clock.last_token is not None:
-                self.itl.observe((now - clock.last_token) / n)
+                # one observation per token, so the count is the tokens after the first
+                # whether they came one per step or several (a run of decode steps,
+                # speculative decoding) and the sum is the time they took
+                gap = (now - clock.last_token) / n
+                for _ in range(n):
+                    self.itl.observe(gap)
             clock.last_token = now
             clock.num_generation_tokens += n
         if out.finished:

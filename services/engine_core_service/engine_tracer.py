@@ -15,7 +15,9 @@
     engine.step                         (engine)  one traced step, its own trace, linked
     └─ worker.execute                   (worker)  to every traced request it served;
                                                   forward / sampling time; one per
-                                                  tensor-parallel rank (folio.rank)
+                                                  tensor-parallel rank (folio.rank);
+                                                  folio.num_decode_steps > 1: a run of
+                                                  decode steps (a decode span's tokens)
 
 A request is traced when the API sampled it (the traceparent it sends says so); a step
 is traced when it serves at least one traced request.
@@ -106,7 +108,8 @@ class EngineTracer:
             attributes={"folio.batch_size": len(so.num_scheduled_tokens),
                         "folio.num_tokens": so.total_num_scheduled_tokens,
                         "folio.num_new_requests": len(so.scheduled_new_reqs),
-                        "folio.num_preempted": len(so.preempted_req_ids)})
+                        "folio.num_preempted": len(so.preempted_req_ids),
+                        "folio.num_decode_steps": so.num_decode_steps})
         new_ids = {n.req_id for n in so.scheduled_new_reqs}
         request_traceparents = {}
         for req_id in traced:

@@ -42,24 +42,40 @@ def children_of(spans, parent, name):
             and s.parent.span_id == parent.context.span_id and s.name == name]
 
 
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
 @pytest.mark.parametrize("detail", ["step", "phase"])
-def test_request_spans_per_step_or_per_phase(make_tiny_llm, detail):
-    llm = make_tiny_llm(max_num_batched_tokens=32)  # a 70-token prompt takes 3 chunks
+def test_request_spans_per_step_or_per_phase(make_tiny_llm, detail, num_scheduler_steps):
+    llm = make_tiny_llm(max_num_batched_tokens=32,  # a 70-token prompt takes 3 chunks
+                        **{"scheduler.num_scheduler_steps": num_scheduler_steps})
     spans = run_traced(llm, detail, [list(range(100, 170)), [5, 6, 7]])
     requests = [s for s in spans if s.name == "engine.request"]
     assert len(requests) == 2
     long_req = next(s for s in requests if s.attributes["folio.request_id"] == "r0")
     prefill = children_of(spans, long_req, "engine.prefill")
     decode = children_of(spans, long_req, "engine.decode")
+    # the first output token comes from the prompt's last step; the other 11 from decode
+    # steps, one each or up to num_scheduler_steps per run
+    decode_steps = [s for s in spans if s.name == "engine.step"
+                    and any(link.context.span_id == long_req.context.span_id
+                            for link in s.links)][len(prefill) if detail == "step" else 3:]
     if detail == "step":
-        assert len(prefill) == 3 and len(decode) == MAX_TOKENS - 1
+        assert len(prefill) == 3
         assert [s.attributes["folio.num_tokens"] for s in prefill] == [32, 32, 6]
+        runs = [s.attributes["folio.num_tokens"] for s in decode]
+        assert sum(runs) == MAX_TOKENS - 1 and len(decode) == len(decode_steps)
+        assert [s.attributes["folio.num_decode_steps"] for s in decode_steps] == runs
+        if num_scheduler_steps == 1:
+            assert runs == [1] * (MAX_TOKENS - 1)
+        else:  # runs of up to 4
+            assert max(runs) == 4 and len(runs) < MAX_TOKENS - 1
     else:
         assert len(prefill) == 1 and len(decode) == 1
         assert prefill[0].attributes["folio.num_steps"] == 3
         assert prefill[0].attributes["folio.num_tokens"] == 70
-        assert decode[0].attributes["folio.num_steps"] == MAX_TOKENS - 1
-        assert len(decode[0].links) == MAX_TOKENS - 1  # each step it ran in
+        assert decode[0].attributes["folio.num_tokens"] == MAX_TOKENS - 1
+        num_steps = decode[0].attributes["folio.num_steps"]
+        assert len(decode[0].links) == num_steps == len(decode_steps)  # each step it ran in
+        assert (num_steps == MAX_TOKENS - 1) == (num_scheduler_steps == 1)
     assert len(children_of(spans, long_req, "engine.queue")) == 1
     assert long_req.attributes["gen_ai.usage.output_tokens"] == MAX_TOKENS
     steps = {s.context.span_id: s for s in spans if s.name == "engine.step"}

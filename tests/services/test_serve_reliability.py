@@ -94,15 +94,20 @@ def _valid(i: int) -> tuple[str, dict]:
     kind = ("completion", "stream", "chat")[i % 3]
     if kind == "chat":
         return "chat", {**base, "messages": [{"role": "user", "content": f"Hi {i}"}]}
-    return "completion", {**base, "prompt": f"Request number {i}", "stream": kind == "stream"}
+    if kind == "stream":
+        return "completion", {**base, "prompt": f"Request number {i}", "stream": True,
+                              "stream_options": {"include_usage": True}}
+    return "completion", {**base, "prompt": f"Request number {i}"}
 
 
 def _check_valid(kind: str, body: dict, status: int, reply) -> None:
     assert status == 200, reply
     if body.get("stream"):
         assert reply[-1] == "[DONE]"
-        assert reply[-2]["choices"][0]["finish_reason"] == "length"
-        assert len([p for p in reply[:-1] if p["choices"]]) == 3
+        assert reply[-2]["usage"]["completion_tokens"] == 3
+        assert reply[-3]["choices"][0]["finish_reason"] == "length"
+        # a chunk per token, or fewer carrying several (a run of decode steps)
+        assert 1 <= len([p for p in reply[:-1] if p["choices"]]) <= 3
     else:
         assert reply["usage"]["completion_tokens"] == 3
 
@@ -153,7 +158,7 @@ def test_disconnect_storm_leaves_no_request_and_no_referenced_block(stack):
     num_streams, max_tokens = 200, 32
     drop_at = {i: rng.randint(1, max_tokens - 1) for i in rng.sample(range(num_streams), 40)}
     body = {"model": MODEL, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, "logprobs": 0}
 
     async def one(s, i):
         async with s.post(stack.url + "/v1/completions",
@@ -161,10 +166,13 @@ def test_disconnect_storm_leaves_no_request_and_no_referenced_block(stack):
             assert r.status == 200
             if i not in drop_at:
                 return await sse_payloads(r)
-            num_chunks = 0
+            num_tokens = 0  # a chunk may carry several tokens (a run of decode steps)
             async for line in r.content:
-                num_chunks += line.startswith(b"data: {")
-                if num_chunks == drop_at[i]:
+                if line.startswith(b"data: {"):
+                    chunk = json.loads(line[len(b"data: "):])
+                    if chunk["choices"]:
+                        num_tokens += len(chunk["choices"][0]["logprobs"]["tokens"])
+                if num_tokens >= drop_at[i]:
                     r.close()  # the client hangs up mid-stream
                     return None
             raise AssertionError(f"stream {i} ended before token {drop_at[i]}")
