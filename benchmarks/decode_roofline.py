@@ -89,7 +89,8 @@ def time_linears(layers, batch, dtype, plain: bool, repeats):
 
 
 def time_decode_steps(llm, batch, context, steps):
-    """Seconds of each engine step in which exactly ``batch`` requests decode."""
+    """Seconds of each engine step in which exactly ``batch`` requests decode (a run of
+    k decode steps, scheduler.num_scheduler_steps, counts as k steps of its mean time)."""
     from engine_core.outputs import ModelRunnerOutput
     from folio import SamplingParams
     engine = llm.engine
@@ -106,8 +107,10 @@ def time_decode_steps(llm, batch, context, steps):
         out = engine.executor.execute_model(so) if engine.needs_worker(so) else None
         engine.end_step(so, out or ModelRunnerOutput())
         elapsed = time.perf_counter() - t0
-        if len(so.num_scheduled_tokens) == batch and so.total_num_scheduled_tokens == batch:
-            decode_times.append(elapsed)
+        k = so.num_decode_steps
+        if (len(so.num_scheduled_tokens) == batch
+                and so.total_num_scheduled_tokens == batch * k):
+            decode_times.extend([elapsed / k] * k)
     return decode_times[:steps]
 
 

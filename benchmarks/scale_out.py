@@ -52,9 +52,11 @@ def run(size: int, args) -> dict:
             t0 = time.perf_counter()
             output = execute(so)
             seconds = time.perf_counter() - t0
-            if so.total_num_scheduled_tokens:
-                is_decode = so.total_num_scheduled_tokens == len(so.num_scheduled_tokens)
-                (decode if is_decode else prefill).append(seconds)
+            total, k = so.total_num_scheduled_tokens, so.num_decode_steps
+            if total and total == k * len(so.num_scheduled_tokens):
+                decode.extend([seconds / k] * k)  # a run of k decode steps: k steps
+            elif total:
+                prefill.append(seconds)
             return output
         llm.runner.execute_model = timed_execute  # the engine core calls it per step
         outs = llm.generate([{"prompt_token_ids": p} for p in workload(args.seed)], params,
