@@ -35,7 +35,8 @@ from config.loader import config_from_plain
 from config.schema import FolioConfig
 
 SCHEDULER_LIVE = ("max_num_seqs", "max_num_batched_tokens", "max_num_queued_requests",
-                  "max_num_queued_tokens", "max_step_ms", "num_scheduler_steps")
+                  "max_num_queued_tokens", "max_step_ms", "num_scheduler_steps",
+                  "max_run_ms")
 OBSERVABILITY_LIVE = ("log_level", "trace_sample_ratio", "trace_step_detail")
 API_LIVE = ("api_keys", "public_metrics", "public_health_detail", "max_n",
             "max_batch_prompts", "max_stop_strings", "max_logprobs", "tenant_weights",

@@ -104,6 +104,11 @@ class SchedulerConfig:
                                   "request's tokens once per run of steps, not once per "
                                   "token (vLLM's multi-step scheduling); a newcomer waits "
                                   "for the run in flight. 1: one step per plan")
+    max_run_ms: float | None = _f(100.0, "a run of decode steps is held to the steps the "
+                                  "learned step cost predicts to fit within this many ms "
+                                  "(one step until it is learned), so a newcomer waits "
+                                  "at most about this long for the run in flight; with "
+                                  "max_step_ms too the smaller holds; null: no bound")
     policy: str = _f("fcfs", "fcfs (arrival order), priority (lower priority value first) "
                      "or fair (tenants share slots and tokens by weight: deficit round "
                      "robin, weights per request from api.tenant_weights)")
@@ -127,6 +132,8 @@ class SchedulerConfig:
                "must be positive (or null)")
         _check(self.num_scheduler_steps >= 1, "scheduler.num_scheduler_steps",
                "must be at least 1")
+        _check(self.max_run_ms is None or self.max_run_ms > 0, "scheduler.max_run_ms",
+               "must be positive (or null)")
         _check(self.policy in POLICIES, "scheduler.policy",
                f"must be one of {POLICIES}, got {self.policy!r}")
 

@@ -18,8 +18,11 @@ small machine. The price is that a request arriving meanwhile waits for the run 
 flight, so runs are granted only when nobody waits: every running request is a plain
 decode of this plan, no request is queued or parked, and none follows a grammar (the
 worker's grammar state advances per planned step). Speculative decoding grants drafts
-instead, never runs. With ``scheduler.max_step_ms`` a run is held to the steps the
-learned step cost predicts to fit within it (engine_core/step_cost.py).
+instead, never runs. A run is held to the steps the learned step cost predicts to fit
+within ``scheduler.max_run_ms`` (and ``max_step_ms``, when set: the smaller), so
+the wait it adds is bounded in time, not in steps: at batch 1 on a fast step the full
+``num_scheduler_steps``, at a large batch whose steps are slow, one
+(engine_core/step_cost.py).
 """
 from __future__ import annotations
 
@@ -29,17 +32,17 @@ from engine_core.step_cost import StepCost, StepShape
 from engine_core.step_plan import StepPlan
 
 
-def steps_within(num_steps: int, max_step_ms: float | None, step_cost: StepCost,
+def steps_within(num_steps: int, max_run_ms: float | None, step_cost: StepCost,
                  decodes: list[Request]) -> int:
-    """``num_steps``, or with ``max_step_ms`` the steps of these decodes predicted to
+    """``num_steps``, or with ``max_run_ms`` the steps of these decodes predicted to
     fit within it (1 until the cost of such a step is known)."""
-    if max_step_ms is None or num_steps <= 1:
+    if max_run_ms is None or num_steps <= 1:
         return num_steps
     step_ms = step_cost.predict_ms(StepShape(0, len(decodes),
                                              sum(r.num_computed_tokens for r in decodes)))
     if step_ms is None or step_ms <= 0:
         return 1
-    return max(1, min(num_steps, int(max_step_ms / step_ms)))
+    return max(1, min(num_steps, int(max_run_ms / step_ms)))
 
 
 def is_plain_run(plan: StepPlan, running: list[Request]) -> bool:

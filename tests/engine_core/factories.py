@@ -32,11 +32,13 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_model_len: int
                    enable_prefix_caching: bool = True,
                    hash_algorithm: str = "sha256",
                    max_step_ms: float | None = None,
-                   num_scheduler_steps: int = 1) -> Scheduler:
+                   num_scheduler_steps: int = 1,
+                   max_run_ms: float | None = None) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                         enable_chunked_prefill=enable_chunked_prefill, policy=policy,
-                        max_step_ms=max_step_ms, num_scheduler_steps=num_scheduler_steps),
+                        max_step_ms=max_step_ms, num_scheduler_steps=num_scheduler_steps,
+                        max_run_ms=max_run_ms),
         CacheConfig(enable_prefix_caching=enable_prefix_caching, hash_algorithm=hash_algorithm),
         num_blocks, block_size, max_model_len)
 
@@ -46,12 +48,13 @@ def make_engine(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 
                 enable_chunked_prefill: bool = True, policy: str = "fcfs",
                 enable_prefix_caching: bool = True, eos_token_ids=(), vocab_size=None,
                 token_fn=default_token_fn, speculative_config=None,
-                draft_fn=None, num_scheduler_steps: int = 1) -> EngineCore:
+                draft_fn=None, num_scheduler_steps: int = 1,
+                max_run_ms: float | None = None) -> EngineCore:
     executor = FakeExecutor(block_size, token_fn, draft_fn)
     return EngineCore(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                         enable_chunked_prefill=enable_chunked_prefill, policy=policy,
-                        num_scheduler_steps=num_scheduler_steps),
+                        num_scheduler_steps=num_scheduler_steps, max_run_ms=max_run_ms),
         CacheConfig(enable_prefix_caching=enable_prefix_caching),
         num_blocks, block_size, max_model_len, executor, eos_token_ids, vocab_size,
         speculative_config=speculative_config)
