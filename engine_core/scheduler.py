@@ -155,10 +155,10 @@ class Scheduler:
         if (self.config.num_scheduler_steps <= 1 or self.num_waiting
                 or not is_plain_run(plan, self.running)):
             return
-        bounds = [b for b in (self.config.max_step_ms, self.config.max_run_ms)
-                  if b is not None]
-        num_steps = steps_within(self.config.num_scheduler_steps,
-                                 min(bounds) if bounds else None, self.step_cost, self.running)
+        max_run_ms = min((b for b in (self.config.max_step_ms, self.config.max_run_ms)
+                          if b is not None), default=None)
+        num_steps = steps_within(self.config.num_scheduler_steps, max_run_ms, self.step_cost,
+                                 self.running)
         if num_steps > 1:
             grant_decode_steps(plan, self.running, num_steps, self.kv_cache_manager,
                                self.max_model_len)
