@@ -155,7 +155,8 @@ class CacheConfig:
 
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-LINEAR_BACKENDS = ("auto", "native", "kernel", "widen", "int8", "bf16dot", "amx", "mkldnn")
+LINEAR_BACKENDS = ("auto", "native", "kernel", "widen", "int8", "int16", "bf16dot", "amx",
+                   "mkldnn")
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,8 +187,10 @@ class WorkerConfig:
                              "weights only: "
                              "activations quantized per block of 32, faster from a few "
                              "rows on, less accurate; auto never picks it) forces the "
-                             "quantized kernels' integer route (see "
-                             "worker/models/linear_paths.py)")
+                             "quantized kernels' integer route; int16 (Q4_0/Q4_1/Q4_K/"
+                             "Q8_0, AVX2: activations rounded to int16 per block, 256x "
+                             "finer than int8; auto times it) forces the 16-bit integer "
+                             "route (see worker/models/linear_paths.py)")
     fused_decode: bool = _f(True, "CPU: decode-only steps run each decoder layer as one "
                             "native op (norms, projections, RoPE, cache write, attention, "
                             "MLP) instead of ~100 torch ops; same kernels and rounding. "

@@ -21,6 +21,9 @@ widens the weights in registers. Their difference from the dequantised product
 with ``vdpbf16ps``: products exact in float32, like ``WIDEN``, which it falls back to
 for other activations and formats. ``AMX`` (AMX-BF16 CPUs) is the same product on AMX
 tiles, ``tdpbf16ps``, 16 activation rows x 16 weight rows x one block per instruction.
+``INT16`` (AVX2 CPUs; Q4_0, Q4_1, Q4_K, Q8_0, else widening) rounds x per block of 32 to
+int16 (scale ``max|x| / 32767``) and multiplies 16-bit pairs with ``vpmaddwd``, exact in
+integers: its only rounding is the activations', 256 times finer than the int8 routes'.
 """
 from __future__ import annotations
 
@@ -45,9 +48,11 @@ _OFFSET = {Q4_0: 8, Q4_1: 0, Q8_0: 128, Q4_K: 0, Q6_K: 32}  # stored u = q + off
 #   Q6_K: d fp16[16] | sc i8[8 blocks][2 halves][16]
 _K_SCALE_BYTES = {Q4_K: 320, Q6_K: 288}
 
-BEST_INT8, VNNI512, AVX2, SCALAR, WIDEN, BF16DOT, AMX = 0, 1, 2, 3, 4, 5, 6
+BEST_INT8, VNNI512, AVX2, SCALAR, WIDEN, BF16DOT, AMX, INT16 = 0, 1, 2, 3, 4, 5, 6, 7
 ROUTES = {"int8": BEST_INT8, "int8_vnni512": VNNI512, "int8_avx2": AVX2,
-          "int8_scalar": SCALAR, "widen": WIDEN, "bf16dot": BF16DOT, "amx": AMX}
+          "int8_scalar": SCALAR, "widen": WIDEN, "bf16dot": BF16DOT, "amx": AMX,
+          "int16": INT16}
+INT16_FORMATS = frozenset({Q4_0, Q4_1, Q4_K, Q8_0})  # INT16 widens the others
 EXACT_ROUTES = frozenset({WIDEN, BF16DOT, AMX})  # x as given: float32 rounding only
 
 
@@ -273,11 +278,17 @@ def weight_rows(p: PackedWeight, rows: torch.Tensor | None = None,
     return dequantize(p, rows).to(dtype)
 
 
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] as the int8 routes see it: per block of 32, ``xd * round(x / xd)`` with
-    ``xd = max|x| / 127``, in float32 (exactly the kernel's quantization)."""
+def levels(route: int) -> int | None:
+    """The largest integer a route rounds activations to (None: it keeps them)."""
+    return None if route in EXACT_ROUTES else 32767 if route == INT16 else 127
+
+
+def quantize_activations(x: torch.Tensor, top: int = 127) -> torch.Tensor:
+    """x [M, K] as the int8 routes (``top`` 127) or the int16 route (32767) see it: per
+    block of 32, ``xd * round(x / xd)`` with ``xd = max|x| / top``, in float32 (exactly
+    the kernel's quantization)."""
     xb = x.float().reshape(x.shape[0], -1, BLOCK)
-    xd = xb.abs().amax(dim=-1, keepdim=True) / 127
+    xd = xb.abs().amax(dim=-1, keepdim=True) / top
     inv = torch.where(xd != 0, 1 / xd, torch.zeros_like(xd))
     return (torch.round(xb * inv) * xd).reshape(x.shape)
 
@@ -286,17 +297,19 @@ def reference(x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None = None
               route: int = BEST_INT8, w: torch.Tensor | None = None) -> torch.Tensor:
     """float64 ``x @ dequantize(p).T (+ bias)`` with x as the route sees it (``w``:
     ``dequantize(p)`` when the caller has it)."""
-    xs = x.float() if route in EXACT_ROUTES else quantize_activations(x)
+    top = levels(route) if route != INT16 or p.fmt in INT16_FORMATS else None
+    xs = x.float() if top is None else quantize_activations(x, top)
     out = xs.double() @ (dequantize(p) if w is None else w).double().t()
     return out if bias is None else out + bias.double()
 
 
 def activation_rounding_bound(x: torch.Tensor, p: PackedWeight,
-                              w: torch.Tensor | None = None) -> torch.Tensor:
-    """Bound on |int8 route - x @ dequantize(p).T| per output, [M, n], float64: each
-    activation moves by at most half a step, ``max|x| of its block / 254``."""
+                              w: torch.Tensor | None = None, top: int = 127) -> torch.Tensor:
+    """Bound on |route - x @ dequantize(p).T| per output, [M, n], float64, for a route
+    that rounds activations to ``top`` levels: each moves by at most half a step,
+    ``max|x| of its block / (2 top)``."""
     xb = x.double().reshape(x.shape[0], -1, BLOCK)
-    half_step = xb.abs().amax(dim=-1) / 254  # [M, blocks]
+    half_step = xb.abs().amax(dim=-1) / (2 * top)  # [M, blocks]
     w = dequantize(p) if w is None else w
     w_abs = w.abs().reshape(p.n, -1, BLOCK).sum(dim=-1).double()  # [n, blocks]
     return half_step @ w_abs.t()

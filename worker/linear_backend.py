@@ -43,7 +43,7 @@ from worker.weight_cache import WeightCache
 
 log = get_logger(__name__)
 
-TABLE_VERSION = 3  # 2: int8 no longer measured (tables of 1 may hold it); 3: mkldnn
+TABLE_VERSION = 4  # 2: int8 no longer measured (tables of 1 may hold it); 3: mkldnn; 4: int16
 _ROUNDS = 3             # passes per path and bucket, taken in turn; the best counts
 _STREAM_MAX_ROWS = 64   # buckets up to this many rows pass over every weight of a shape
 _GIVE_UP_FACTOR = 4.0   # a path this much slower than the best so far is dropped

@@ -44,10 +44,11 @@ namespace {
 
 // Path codes, as worker/models/fused_decode.py encodes linear_paths' names.
 enum Path : int64_t {
-  kNative = 0, kKernel = 1, kWiden = 2, kInt8 = 3, kBf16Dot = 4, kAmx = 5, kMkldnn = 6
+  kNative = 0, kKernel = 1, kWiden = 2, kInt8 = 3, kBf16Dot = 4, kAmx = 5, kMkldnn = 6,
+  kInt16 = 7
 };
 constexpr int64_t kQuantWidenRoute = 4, kQuantBestInt8Route = 0,  // quant_linear.cpp
-    kQuantBf16DotRoute = 5, kQuantAmxRoute = 6;
+    kQuantBf16DotRoute = 5, kQuantAmxRoute = 6, kQuantInt16Route = 7;
 
 // Operand slots in `weights` and fields of `meta` (see the schema at the bottom).
 enum Slot { kInNorm, kPostNorm, kQkv, kQkvScales, kQkvBias, kO, kOScales, kGateUp,
@@ -90,6 +91,7 @@ at::Tensor linear(const at::Tensor& x, const OptTensor& w, const OptTensor& scal
                                path == kInt8      ? kQuantBestInt8Route
                                : path == kBf16Dot ? kQuantBf16DotRoute
                                : path == kAmx     ? kQuantAmxRoute
+                               : path == kInt16   ? kQuantInt16Route
                                                   : kQuantWidenRoute);
   }
   if (path == kKernel) return half_linear(x, *w, bias);

@@ -11,6 +11,8 @@
 //            AMX-BF16 and the kernel grants this process the tile state; every
 //            format (Q8_0 converted to bf16, exactly) with bf16 activations, else
 //            route 4)
+//   route 7  int16 activations, AVX2 vpmaddwd         (built on any AVX2 CPU; Q4_0, Q4_1,
+//            Q4_K and Q8_0, else route 4)
 //   route 0  the best int8 route built here (1, else 2, else 3)
 //
 // Work split: threads take groups of 16 weight rows; each group meets the activation
@@ -41,7 +43,8 @@ namespace {
 #endif
 constexpr int kMR = FOLIO_QUANT_MR;  // activation rows per tile
 enum Route : int64_t {
-  kBestInt8 = 0, kVnni512 = 1, kAvx2 = 2, kScalar = 3, kWiden = 4, kBf16Dot = 5, kAmx = 6
+  kBestInt8 = 0, kVnni512 = 1, kAvx2 = 2, kScalar = 3, kWiden = 4, kBf16Dot = 5, kAmx = 6,
+  kInt16 = 7
 };
 
 #ifdef FOLIO_QUANT_AMX
@@ -70,6 +73,9 @@ std::vector<int64_t> built_routes() {
 #endif
   routes.push_back(kScalar);
   routes.push_back(kWiden);
+#ifdef FOLIO_QUANT_AVX2
+  routes.push_back(kInt16);
+#endif
 #ifdef FOLIO_QUANT_BF16DOT
   routes.push_back(kBf16Dot);
 #endif
@@ -89,6 +95,7 @@ struct Operands {
   const float* xsum;           // widening and bf16 routes: x summed per block [M][B]
                                // (Q6_K: per half block, [M][B][2])
   const uint32_t* xp;          // bf16 route: x's bf16 pairs in tile order [M][K / 2]
+  const Int16Rows* x16;        // int16 route
 };
 
 template <int64_t Fmt, int MR>
@@ -103,6 +110,9 @@ void tile(int64_t route, const Operands& o, int64_t g, int64_t m0, float* acc, b
 #endif
 #ifdef FOLIO_QUANT_AVX2
     case kAvx2: return tile_avx2<Fmt, MR>(qs, sc, o.B, *o.xr, m0, acc);
+    case kInt16:
+      if constexpr (Fmt != kQ6_K) return tile_int16<Fmt, MR>(qs, sc, o.B, *o.x16, m0, acc);
+      return;  // never chosen for Q6_K (quant_linear)
 #endif
     case kWiden: return tile_widen<Fmt, MR>(qs, sc, o.B, o.xf, o.B * kBlock, o.xsum, m0, acc);
 #ifdef FOLIO_QUANT_BF16DOT
@@ -265,6 +275,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
   if ((route == kBf16Dot || route == kAmx) && x_in.scalar_type() != at::kBFloat16)
     route = kWiden;
   if (route == kBf16Dot && fmt == kQ8_0) route = kWiden;
+  if (route == kInt16 && fmt == kQ6_K) route = kWiden;
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, n}, x.options());
@@ -277,8 +288,9 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
   thread_local QuantizedRows xr;  // the caller's thread prepares x
   thread_local std::vector<float> xsum;
   thread_local std::vector<uint32_t> xp;
+  thread_local Int16Rows x16;
   Operands o{qs.const_data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.const_data_ptr()),
-             qs.size(1), &xr, nullptr, nullptr, nullptr};
+             qs.size(1), &xr, nullptr, nullptr, nullptr, &x16};
   if (route == kBf16Dot || route == kAmx) {
     // per chunk of 8 k the pairs (0, 2), (1, 3), (4, 6), (5, 7), low half first
     // (quant_tiles.h, tile_bf16dot); the block sums in float32, as the widening route's.
@@ -304,7 +316,9 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
     o.xsum = block_sums(o.xf, K, M, K, fmt, xsum);
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear", [&] {
-    if (route != kWiden && route != kBf16Dot && route != kAmx)  // the int8 routes
+    if (route == kInt16)
+      quantize_rows16(x.const_data_ptr<scalar_t>(), x.stride(0), M, K, fmt == kQ8_0, x16);
+    else if (route != kWiden && route != kBf16Dot && route != kAmx)  // the int8 routes
       quantize_rows(x.const_data_ptr<scalar_t>(), x.stride(0), M, K, xr);
     run_format(fmt, route, o, M, n, bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr,
                out.data_ptr<scalar_t>());
@@ -312,6 +326,7 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
   release_if_large(xp);
   release_if_large(xsum);
   release_if_large(xr.q);
+  release_if_large(x16.w);
   return out;
 }
 

@@ -6,6 +6,8 @@
 //     tile_avx2     AVX2: `vpmaddubsw` + `vpmaddwd` per 4 k of 8 rows, for CPUs
 //                   without VNNI (Q8_0 through the sign trick, see below)
 //     tile_scalar   plain C++, any CPU
+//   int16 route (activations rounded to int16 per block, 2^-16 of the block's largest):
+//     tile_int16    AVX2: `vpmaddwd` per 2 k of 8 rows (Q4_0, Q4_1, Q4_K, Q8_0)
 //   widening route (float32 activations, weights widened in registers):
 //     tile_widen    GCC vector extensions, 16 float lanes (zmm, 2 ymm or 4 xmm)
 //   bf16 route (bf16 activations, 4-bit weights as bf16 pairs, AVX512-BF16):
@@ -324,6 +326,75 @@ inline void tile_avx2(const uint8_t* qs, const uint8_t* sc, int64_t B,
                       const QuantizedRows& xr, int64_t m0, float* out) {
   tile_avx2_half<Fmt, MR>(qs, sc, B, xr, m0, 0, out);
   tile_avx2_half<Fmt, MR>(qs, sc, B, xr, m0, 1, out);
+}
+
+// The int16 route (Q4_0, Q4_1, Q4_K, Q8_0; quant_pack.h, Int16Rows): activations
+// rounded to int16 per block of 32, then one `vpmaddwd` multiplies a 16-bit pair of 8
+// rows by a pair of activations and sums it into int32, exactly. A Q4 lane's halves
+// hold k (0, 4, 1, 5) and (2, 6, 3, 7) of its chunk as nibbles at bits 0, 4, 8, 12, so
+// masking gives the pair (k0, k2) as is, (k4, k6) times 16 and (k1, k3) times 256, and a
+// 16-bit shift by 12 gives (k5, k7): four instructions for 8 k of 8 rows where widening
+// takes eight conversions and eight multiply-adds. Each scale of 2 sums apart and comes
+// off with an exact arithmetic shift per block (its products are all multiples of it;
+// the largest sum, 4 x 2 x 3840 x 32767, stays under 2^31). A Q8 lane's (k0, k2) is a
+// mask of its bytes and (k1, k3) a shift by 8. Per block, as the int8 routes:
+// d * xd * (p - off * xs) [+ m * xd * xs].
+template <int64_t Fmt, int MR>
+inline void tile_int16(const uint8_t* qs, const uint8_t* sc, int64_t B, const Int16Rows& xr,
+                       int64_t m0, float* out) {
+  static_assert(Fmt != kQ6_K, "Q6_K takes the widening route");
+  constexpr int64_t kWords = kBlock / 2;  // 32-bit activation pairs per block
+  const int64_t W = B * kWords;
+  __m256 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i m1 = _mm256_set1_epi32(0x000F000F), m16 = _mm256_set1_epi32(0x00F000F0),
+                m256 = _mm256_set1_epi32(0x0F000F00), m8 = _mm256_set1_epi32(0x00FF00FF);
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* q = qs + b * qs_bytes(Fmt);
+    if constexpr (MR == 1) prefetch_ahead<Fmt>(q);
+    alignas(64) float D[2][16], M[2][16];
+    block_scales<Fmt>(sc, b, D, M);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t i = (m0 + r) * B + b;
+      const int32_t* xw = xr.w.data() + (m0 + r) * W + b * kWords;
+      const __m256 xd = _mm256_set1_ps(xr.scale[i]);
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* qh = q + 32 * h;
+        __m256i p;
+        if constexpr (is_q4(Fmt)) {
+          __m256i a1 = _mm256_setzero_si256(), a16 = a1, a256 = a1;
+          for (int c = 0; c < 4; ++c) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 64 * c));
+            const int32_t* x = xw + 4 * c;
+            a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_and_si256(v, m1), _mm256_set1_epi32(x[0])));
+            a16 = _mm256_add_epi32(a16, _mm256_madd_epi16(_mm256_and_si256(v, m16), _mm256_set1_epi32(x[1])));
+            a256 = _mm256_add_epi32(a256, _mm256_madd_epi16(_mm256_and_si256(v, m256), _mm256_set1_epi32(x[2])));
+            a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_srli_epi16(v, 12), _mm256_set1_epi32(x[3])));
+          }
+          p = _mm256_add_epi32(a1, _mm256_add_epi32(_mm256_srai_epi32(a16, 4),
+                                                    _mm256_srai_epi32(a256, 8)));
+        } else {
+          __m256i a0 = _mm256_setzero_si256(), a1 = a0;
+          for (int c = 0; c < 8; ++c) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh + 64 * c));
+            const int32_t* x = xw + 2 * c;
+            a0 = _mm256_add_epi32(a0, _mm256_madd_epi16(_mm256_and_si256(v, m8), _mm256_set1_epi32(x[0])));
+            a1 = _mm256_add_epi32(a1, _mm256_madd_epi16(_mm256_srli_epi16(v, 8), _mm256_set1_epi32(x[1])));
+          }
+          p = _mm256_add_epi32(a0, a1);
+        }
+        if constexpr (offset_of(Fmt) != 0)
+          p = _mm256_sub_epi32(p, _mm256_set1_epi32(offset_of(Fmt) * xr.sum[i]));
+        const __m256 d = _mm256_load_ps(D[0] + 8 * h);
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(d, xd), acc[r][h]);
+        if constexpr (has_min(Fmt))
+          acc[r][h] = _mm256_fmadd_ps(_mm256_load_ps(M[0] + 8 * h), _mm256_set1_ps(xr.msum[i]),
+                                      acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * kGroupRows + 8 * h, acc[r][h]);
 }
 #endif
 

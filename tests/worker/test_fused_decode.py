@@ -114,7 +114,7 @@ def assert_same(results):
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_k_m_llama", "q4_k_m_qwen2"])
-@pytest.mark.parametrize("backend", ["auto", "widen", "int8", "bf16dot", "amx", "native"])
+@pytest.mark.parametrize("backend", ["auto", "widen", "int8", "int16", "bf16dot", "amx", "native"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_quantized_weights_every_path(models, fmt, backend, dtype):
     runner = runner_for(models[fmt], dtype, backend)

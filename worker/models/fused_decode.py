@@ -36,7 +36,8 @@ from kernels.kv_quant import is_fp8
 from kernels.quant_linear import PackedWeight
 from worker.models.linear import linear_path
 from worker.models import prepacked
-from worker.models.linear_paths import AMX, BF16DOT, INT8, KERNEL, MKLDNN, NATIVE, WIDEN
+from worker.models.linear_paths import (AMX, BF16DOT, INT8, INT16, KERNEL, MKLDNN, NATIVE,
+                                        WIDEN)
 from worker.models.quant_linear import SplitQuantLinear
 
 if TYPE_CHECKING:
@@ -44,7 +45,8 @@ if TYPE_CHECKING:
     from worker.models.rotary_embedding import RotaryAngles
 
 # decode_layer.cpp's path codes
-_PATH_CODES = {NATIVE: 0, KERNEL: 1, WIDEN: 2, INT8: 3, BF16DOT: 4, AMX: 5, MKLDNN: 6}
+_PATH_CODES = {NATIVE: 0, KERNEL: 1, WIDEN: 2, INT8: 3, BF16DOT: 4, AMX: 5, MKLDNN: 6,
+               INT16: 7}
 
 
 def _operands(layer) -> tuple[list, tuple]:
