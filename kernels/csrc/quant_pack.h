@@ -64,6 +64,10 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 namespace folio::quant {
 
 constexpr int kGroupRows = 16;
@@ -162,6 +166,28 @@ void quantize_block16(const T* x, bool q8_order, int16_t* out, float& scale, int
   }
   const float d = amax / 32767.f;
   const float id = d != 0.f ? 1.f / d : 0.f;
+  scale = d;
+#if defined(__AVX2__)
+  // the same rounding (vcvtps2dq: to nearest even, as nearbyint in the default mode),
+  // 8 k at a time, gathered into the tile's order and narrowed to int16
+  const __m256i from = q8_order ? _mm256_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7)
+                                : _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+  const __m256 idv = _mm256_set1_ps(id);
+  const __m256i top = _mm256_set1_epi32(32767), bottom = _mm256_set1_epi32(-32767);
+  __m256i total = _mm256_setzero_si256();
+  for (int c = 0; c < kBlock / 8; ++c) {
+    __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v + 8 * c), idv));
+    q = _mm256_max_epi32(_mm256_min_epi32(q, top), bottom);
+    total = _mm256_add_epi32(total, q);
+    const __m256i ordered = _mm256_permutevar8x32_epi32(q, from);
+    const __m256i narrow = _mm256_permute4x64_epi64(_mm256_packs_epi32(ordered, ordered), 0b1000);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 8 * c), _mm256_castsi256_si128(narrow));
+  }
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0b01001110));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0b10110001));
+  sum = _mm_cvtsi128_si32(t);
+#else
   // where k % 8 goes among the 8 int16 of its 8 k
   static constexpr int kQ4Order[8] = {0, 4, 1, 5, 2, 6, 3, 7};
   static constexpr int kQ8Order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
@@ -173,8 +199,8 @@ void quantize_block16(const T* x, bool q8_order, int16_t* out, float& scale, int
     s += qv;
     out[(k / 8) * 8 + order[k % 8]] = static_cast<int16_t>(qv);
   }
-  scale = d;
   sum = s;
+#endif
 }
 
 // x [M, K] (rows `ldx` apart, K a multiple of 32) into `out`, rows split over threads.
