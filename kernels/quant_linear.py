@@ -278,9 +278,12 @@ def weight_rows(p: PackedWeight, rows: torch.Tensor | None = None,
     return dequantize(p, rows).to(dtype)
 
 
-def levels(route: int) -> int | None:
-    """The largest integer a route rounds activations to (None: it keeps them)."""
-    return None if route in EXACT_ROUTES else 32767 if route == INT16 else 127
+def levels(route: int, fmt: int) -> int | None:
+    """The largest integer a route rounds activations to on weights of ``fmt`` (None:
+    it keeps them; INT16 widens the formats it does not take)."""
+    if route in EXACT_ROUTES or (route == INT16 and fmt not in INT16_FORMATS):
+        return None
+    return 32767 if route == INT16 else 127
 
 
 def quantize_activations(x: torch.Tensor, top: int = 127) -> torch.Tensor:
@@ -297,7 +300,7 @@ def reference(x: torch.Tensor, p: PackedWeight, bias: torch.Tensor | None = None
               route: int = BEST_INT8, w: torch.Tensor | None = None) -> torch.Tensor:
     """float64 ``x @ dequantize(p).T (+ bias)`` with x as the route sees it (``w``:
     ``dequantize(p)`` when the caller has it)."""
-    top = levels(route) if route != INT16 or p.fmt in INT16_FORMATS else None
+    top = levels(route, p.fmt)
     xs = x.float() if top is None else quantize_activations(x, top)
     out = xs.double() @ (dequantize(p) if w is None else w).double().t()
     return out if bias is None else out + bias.double()

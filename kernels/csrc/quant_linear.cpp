@@ -316,9 +316,12 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
     o.xsum = block_sums(o.xf, K, M, K, fmt, xsum);
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear", [&] {
+#ifdef FOLIO_QUANT_AVX2
     if (route == kInt16)
       quantize_rows16(x.const_data_ptr<scalar_t>(), x.stride(0), M, K, fmt == kQ8_0, x16);
-    else if (route != kWiden && route != kBf16Dot && route != kAmx)  // the int8 routes
+    else
+#endif
+    if (route != kWiden && route != kBf16Dot && route != kAmx)  // the int8 routes
       quantize_rows(x.const_data_ptr<scalar_t>(), x.stride(0), M, K, xr);
     run_format(fmt, route, o, M, n, bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr,
                out.data_ptr<scalar_t>());

@@ -149,13 +149,14 @@ void quantize_rows(const T* x, int64_t ldx, int64_t M, int64_t K, QuantizedRows&
 // 32-bit pairs in the order the tile takes them, per 8 k: Q4 (0, 2) (4, 6) (1, 3) (5, 7),
 // Q8 (0, 2) (1, 3) (4, 6) (5, 7). Each activation moves by at most max|x| / 65534 of its
 // block: 256 times less than the int8 routes', 128 times less than bf16's relative step.
-struct Int16Rows {
+struct Int16Rows {  // filled by quantize_rows16 (AVX2, as the route)
   std::vector<int32_t> w;     // [rows][blocks * 16] pairs
   std::vector<float> scale;   // [rows][blocks] xd
   std::vector<int32_t> sum;   // [rows][blocks] xs
   std::vector<float> msum;    // [rows][blocks] xd * xs
 };
 
+#if defined(__AVX2__)
 template <typename T>
 void quantize_block16(const T* x, bool q8_order, int16_t* out, float& scale, int32_t& sum) {
   float v[kBlock];
@@ -167,9 +168,8 @@ void quantize_block16(const T* x, bool q8_order, int16_t* out, float& scale, int
   const float d = amax / 32767.f;
   const float id = d != 0.f ? 1.f / d : 0.f;
   scale = d;
-#if defined(__AVX2__)
-  // the same rounding (vcvtps2dq: to nearest even, as nearbyint in the default mode),
-  // 8 k at a time, gathered into the tile's order and narrowed to int16
+  // rounded half to even (vcvtps2dq in the default mode) 8 k at a time, lane t taking k
+  // from[t] (the tile's order), narrowed to int16
   const __m256i from = q8_order ? _mm256_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7)
                                 : _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
   const __m256 idv = _mm256_set1_ps(id);
@@ -187,20 +187,6 @@ void quantize_block16(const T* x, bool q8_order, int16_t* out, float& scale, int
   t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0b01001110));
   t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0b10110001));
   sum = _mm_cvtsi128_si32(t);
-#else
-  // where k % 8 goes among the 8 int16 of its 8 k
-  static constexpr int kQ4Order[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-  static constexpr int kQ8Order[8] = {0, 2, 1, 3, 4, 6, 5, 7};
-  const int* order = q8_order ? kQ8Order : kQ4Order;
-  int32_t s = 0;
-  for (int k = 0; k < kBlock; ++k) {
-    const float r = std::min(32767.f, std::max(-32767.f, std::nearbyint(v[k] * id)));
-    const int32_t qv = static_cast<int32_t>(r);
-    s += qv;
-    out[(k / 8) * 8 + order[k % 8]] = static_cast<int16_t>(qv);
-  }
-  sum = s;
-#endif
 }
 
 // x [M, K] (rows `ldx` apart, K a multiple of 32) into `out`, rows split over threads.
@@ -223,5 +209,6 @@ void quantize_rows16(const T* x, int64_t ldx, int64_t M, int64_t K, bool q8_orde
       }
   });
 }
+#endif
 
 }  // namespace folio::quant

@@ -123,8 +123,8 @@ def check_all_routes(ops, x, packed, bias=None, skip_scalar=False, weights=None)
     for route in ql.routes_available():
         if route == ql.SCALAR and skip_scalar:
             continue
-        top = ql.levels(route)
-        if top is None or (route == ql.INT16 and packed.fmt not in ql.INT16_FORMATS):
+        top = ql.levels(route, packed.fmt)
+        if top is None:
             check_route(ops, x, packed, route, dequantised, error, bias)  # float32 x
         else:  # its own rounding of x exactly, and within that rounding of the product
             as_seen = ql.reference(x, packed, bias, route, w)
