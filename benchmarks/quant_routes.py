@@ -1,16 +1,21 @@
-"""The quantized kernel's exact routes side by side: widening, bf16 pairs, AMX tiles.
+"""The quantized kernel's exact and near-exact routes side by side: widening, bf16 pairs,
+AMX tiles, int16 pairs.
 
 For each GGUF format, three random matrices of ``--n`` x ``--k`` (about 13-35 MB each,
 so they stream from memory as a model's layers do) are multiplied by bf16 activations
 of ``--rows`` rows through ``quant_linear``'s widening route, its bf16 route
 (``vdpbf16ps``, AVX512-BF16 CPUs only) and its AMX route (``tdpbf16ps``, AMX-BF16 CPUs
-only; Q8_0 falls back to widening on both), the routes taking turns, best of
+only; Q8_0 falls back to widening on both) and its int16 route (``vpmaddwd``, AVX2
+CPUs; Q6_K falls back to widening; ``--activations float32`` for float32 models), the
+routes taking turns, best of
 ``--reps``. Prints the time of each, the ratio to widening, and the largest difference
 from the widening route's output in bf16 ulps of ``sum_k |x_k w_k|`` (all are float32
 sums of exact products, rounded once to bf16, so they differ where a sum rounds the
-other way). CPU model and flags go with the result.
+other way; the int16 route's differences are its rounding of the activations). CPU model
+and flags go with the result.
 
     .venv/bin/python benchmarks/quant_routes.py --json benchmarks/results/quant_routes.json
+    .venv/bin/python benchmarks/quant_routes.py --activations float32 --rows 1 4 16
 """
 from __future__ import annotations
 
@@ -50,19 +55,22 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 32, 64])
+    ap.add_argument("--activations", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    routes = [r for r in (ql.WIDEN, ql.BF16DOT, ql.AMX) if r in ql.routes_available()]
+    dtype = getattr(torch, args.activations)
+    routes = [r for r in (ql.WIDEN, ql.BF16DOT, ql.AMX, ql.INT16) if r in ql.routes_available()]
     if len(routes) == 1:
-        print("only the widening route is built here (no AVX512-BF16)")
+        print("only the widening route is built here (no AVX512-BF16, no AVX2)")
         return 1
     names = {r: n for n, r in ql.ROUTES.items()}
-    report = {"machine": machine_facts(), "n": args.n, "k": args.k, "results": []}
+    report = {"machine": machine_facts(), "n": args.n, "k": args.k,
+              "activations": args.activations, "results": []}
     for fmt in (ql.Q4_0, ql.Q4_1, ql.Q8_0, ql.Q4_K, ql.Q6_K):
         weights = [random_matrix(args.n, args.k, fmt, seed) for seed in range(3)]
         for rows in args.rows:
-            x = torch.randn(rows, args.k).to(torch.bfloat16)
+            x = torch.randn(rows, args.k).to(dtype)
             best = dict.fromkeys(routes, float("inf"))
             for _ in range(args.reps):
                 for route in best:
