@@ -2,8 +2,8 @@
 
 Builds ``kernels/csrc/quant_tiles.h`` as it was at ``--base`` (a git revision) and as it is
 in the working tree into one small program, each copy in its own namespace, and times
-their widening tile (``--tile int8``: the AVX2 int8 tile) (one thread, one activation
-row) on the same random matrix in each GGUF format,
+their widening tile (``--tile int8``: the AVX2 int8 tile; ``--tile int16``: the int16
+tile) (one thread, one activation row) on the same random matrix in each GGUF format,
 alternating A B A B; prints the best time of each, the ratio, and whether the two
 outputs are bit for bit equal. ``--march`` builds for another instruction set than this
 machine's (``haswell``: the AVX2 forms, which this machine runs too).
@@ -79,6 +79,36 @@ extern "C" void int8_{v}(long fmt, const uint8_t* qs, const uint8_t* sc, long B,
 #endif
 """
 
+# The int16 tile (only revisions that have it: added to the program for --tile int16).
+INT16_UNIT = """#ifdef __AVX2__
+template <int64_t Fmt>
+void dot16(const uint8_t* qs, const uint8_t* sc, long B, long groups, const float* x,
+           const float* xsum, float* out) {{
+  using namespace folio_{v}::quant;
+  long qsz, ssz;
+  layout_{v}(Fmt, B, &qsz, &ssz);
+  if constexpr (Fmt == kQ6_K) {{  // the route widens Q6_K
+    for (long g = 0; g < groups; ++g)
+      tile_widen<Fmt, 1>(qs + g * qsz, sc + g * ssz, B, x, B * 32, xsum, 0, out + 16 * g);
+  }} else {{
+    Int16Rows xr;  // one activation row, rounded per block as the int16 route takes it
+    quantize_rows16(x, B * 32, 1, B * 32, Fmt == kQ8_0, xr);
+    for (long g = 0; g < groups; ++g)
+      tile_int16<Fmt, 1>(qs + g * qsz, sc + g * ssz, B, xr, 0, out + 16 * g);
+  }}
+}}
+extern "C" void int16_{v}(long fmt, const uint8_t* qs, const uint8_t* sc, long B, long groups,
+                          const float* x, const float* xsum, float* out) {{
+  using namespace folio_{v}::quant;
+  if (fmt == kQ4_K) dot16<kQ4_K>(qs, sc, B, groups, x, xsum, out);
+  else if (fmt == kQ6_K) dot16<kQ6_K>(qs, sc, B, groups, x, xsum, out);
+  else if (fmt == kQ4_1) dot16<kQ4_1>(qs, sc, B, groups, x, xsum, out);
+  else if (fmt == kQ4_0) dot16<kQ4_0>(qs, sc, B, groups, x, xsum, out);
+  else dot16<kQ8_0>(qs, sc, B, groups, x, xsum, out);
+}}
+#endif
+"""
+
 MAIN = r"""#include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -127,8 +157,9 @@ int main(int argc, char** argv) {
 
 
 def build(base: str, march: str, folder: Path, tile: str = "widen") -> Path:
-    """The A/B program for one ``-march`` and ``tile`` (``widen``, or ``int8``: the AVX2
-    int8 tile, activations quantized per block): tiles at ``base`` as A, the tree's as B."""
+    """The A/B program for one ``-march`` and ``tile`` (``widen``; ``int8``: the AVX2
+    int8 tile, activations quantized per block; ``int16``: the int16 tile, both revisions
+    must have it): tiles at ``base`` as A, the tree's as B."""
     import torch
     import torch.utils.cpp_extension as ext
     header = subprocess.run(["git", "show", f"{base}:kernels/csrc/quant_tiles.h"], cwd=REPO,
@@ -137,7 +168,8 @@ def build(base: str, march: str, folder: Path, tile: str = "widen") -> Path:
     (folder / "tiles_b.h").write_text((CSRC / "quant_tiles.h").read_text().replace(
         '"quant_pack.h"', f'"{CSRC}/quant_pack.h"'))
     for v in "ab":
-        (folder / f"tu_{v}.cpp").write_text(TRANSLATION_UNIT.format(v=v))
+        (folder / f"tu_{v}.cpp").write_text(TRANSLATION_UNIT.format(v=v) + (
+            INT16_UNIT.format(v=v) if tile == "int16" else ""))
     (folder / "main.cpp").write_text(MAIN.replace("TILE", tile))
     lib = Path(torch.__file__).parent / "lib"
     program = folder / f"ab_{tile}_{march}"
@@ -156,8 +188,9 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=5632, help="weight rows (a multiple of 16)")
     ap.add_argument("--k", type=int, default=2048, help="inputs (a multiple of 256)")
     ap.add_argument("--reps", type=int, default=40)
-    ap.add_argument("--tile", choices=["widen", "int8"], default="widen",
-                    help="widen: the widening tile; int8: the AVX2 int8 tile (tile_avx2)")
+    ap.add_argument("--tile", choices=["widen", "int8", "int16"], default="widen",
+                    help="widen: the widening tile; int8: the AVX2 int8 tile (tile_avx2); "
+                         "int16: the int16 tile (Q6_K widens, as in its route)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     report = {"machine": machine_facts(), "base": args.base, "tile": args.tile, "n": args.n,

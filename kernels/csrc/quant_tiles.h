@@ -7,7 +7,8 @@
 //                   without VNNI (Q8_0 through the sign trick, see below)
 //     tile_scalar   plain C++, any CPU
 //   int16 route (activations rounded to int16 per block, 2^-16 of the block's largest):
-//     tile_int16    AVX2: `vpmaddwd` per 2 k of 8 rows (Q4_0, Q4_1, Q4_K, Q8_0)
+//     tile_int16    AVX2: `vpmaddwd` per 2 k of 8 rows (Q4_0, Q4_1, Q4_K, Q8_0);
+//                   AVX-512: 16 rows, `vpdpwssd` with VNNI
 //   widening route (float32 activations, weights widened in registers):
 //     tile_widen    GCC vector extensions, 16 float lanes (zmm, 2 ymm or 4 xmm)
 //   bf16 route (bf16 activations, 4-bit weights as bf16 pairs, AVX512-BF16):
@@ -339,6 +340,72 @@ inline void tile_avx2(const uint8_t* qs, const uint8_t* sc, int64_t B,
 // the largest sum, 4 x 2 x 3840 x 32767, stays under 2^31). A Q8 lane's (k0, k2) is a
 // mask of its bytes and (k1, k3) a shift by 8. Per block, as the int8 routes:
 // d * xd * (p - off * xs) [+ m * xd * xs].
+//
+// With AVX-512 (BW) the same sums run on all 16 rows at once (one 64-byte chunk per
+// vector, `vpdpwssd` fusing the multiply and the sum where VNNI is there): the integer
+// sums and the float operations per row are the AVX2 form's, so are the results, bit for bit.
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+inline __m512i pairs_dot16(__m512i acc, __m512i w, int32_t x) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, w, _mm512_set1_epi32(x));
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(w, _mm512_set1_epi32(x)));
+#endif
+}
+
+template <int64_t Fmt, int MR>
+inline void tile_int16(const uint8_t* qs, const uint8_t* sc, int64_t B, const Int16Rows& xr,
+                       int64_t m0, float* out) {
+  static_assert(Fmt != kQ6_K, "Q6_K takes the widening route");
+  constexpr int64_t kWords = kBlock / 2;  // 32-bit activation pairs per block
+  const int64_t W = B * kWords;
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i m1 = _mm512_set1_epi32(0x000F000F), m16 = _mm512_set1_epi32(0x00F000F0),
+                m256 = _mm512_set1_epi32(0x0F000F00), m8 = _mm512_set1_epi32(0x00FF00FF);
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* q = qs + b * qs_bytes(Fmt);
+    if constexpr (MR == 1) prefetch_ahead<Fmt>(q);
+    alignas(64) float D[2][16], M[2][16];
+    block_scales<Fmt>(sc, b, D, M);
+    const __m512 d = _mm512_load_ps(D[0]);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t i = (m0 + r) * B + b;
+      const int32_t* xw = xr.w.data() + (m0 + r) * W + b * kWords;
+      __m512i p;
+      if constexpr (is_q4(Fmt)) {
+        __m512i a1 = _mm512_setzero_si512(), a16 = a1, a256 = a1;
+        for (int c = 0; c < 4; ++c) {
+          const __m512i v = _mm512_loadu_si512(q + 64 * c);
+          const int32_t* x = xw + 4 * c;
+          a1 = pairs_dot16(a1, _mm512_and_si512(v, m1), x[0]);
+          a16 = pairs_dot16(a16, _mm512_and_si512(v, m16), x[1]);
+          a256 = pairs_dot16(a256, _mm512_and_si512(v, m256), x[2]);
+          a1 = pairs_dot16(a1, _mm512_srli_epi16(v, 12), x[3]);
+        }
+        p = _mm512_add_epi32(a1, _mm512_add_epi32(_mm512_srai_epi32(a16, 4),
+                                                  _mm512_srai_epi32(a256, 8)));
+      } else {
+        __m512i a0 = _mm512_setzero_si512(), a1 = a0;
+        for (int c = 0; c < 8; ++c) {
+          const __m512i v = _mm512_loadu_si512(q + 64 * c);
+          const int32_t* x = xw + 2 * c;
+          a0 = pairs_dot16(a0, _mm512_and_si512(v, m8), x[0]);
+          a1 = pairs_dot16(a1, _mm512_srli_epi16(v, 8), x[1]);
+        }
+        p = _mm512_add_epi32(a0, a1);
+      }
+      if constexpr (offset_of(Fmt) != 0)
+        p = _mm512_sub_epi32(p, _mm512_set1_epi32(offset_of(Fmt) * xr.sum[i]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_mul_ps(d, _mm512_set1_ps(xr.scale[i])),
+                               acc[r]);
+      if constexpr (has_min(Fmt))
+        acc[r] = _mm512_fmadd_ps(_mm512_load_ps(M[0]), _mm512_set1_ps(xr.msum[i]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * kGroupRows, acc[r]);
+}
+#else
 template <int64_t Fmt, int MR>
 inline void tile_int16(const uint8_t* qs, const uint8_t* sc, int64_t B, const Int16Rows& xr,
                        int64_t m0, float* out) {
@@ -396,6 +463,7 @@ inline void tile_int16(const uint8_t* qs, const uint8_t* sc, int64_t B, const In
   for (int r = 0; r < MR; ++r)
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * kGroupRows + 8 * h, acc[r][h]);
 }
+#endif  // AVX-512 BW
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512BF16__)
