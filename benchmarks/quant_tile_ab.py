@@ -32,6 +32,17 @@ TRANSLATION_UNIT = """#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #define folio folio_{v}
 #include "tiles_{v}.h"
+// NAME(fmt, qs, sc, B, groups, x, xsum, out): TILE<Fmt> for the format fmt names
+#define BY_FORMAT(NAME, TILE) \\
+  extern "C" void NAME(long fmt, const uint8_t* qs, const uint8_t* sc, long B, long groups, \\
+                       const float* x, const float* xsum, float* out) {{ \\
+    using namespace folio_{v}::quant; \\
+    if (fmt == kQ4_K) TILE<kQ4_K>(qs, sc, B, groups, x, xsum, out); \\
+    else if (fmt == kQ6_K) TILE<kQ6_K>(qs, sc, B, groups, x, xsum, out); \\
+    else if (fmt == kQ4_1) TILE<kQ4_1>(qs, sc, B, groups, x, xsum, out); \\
+    else if (fmt == kQ4_0) TILE<kQ4_0>(qs, sc, B, groups, x, xsum, out); \\
+    else TILE<kQ8_0>(qs, sc, B, groups, x, xsum, out); \\
+  }}
 // bytes of one group's quants and scales for B blocks, as this revision packs them
 extern "C" void layout_{v}(long fmt, long B, long* qsz, long* ssz) {{
   using namespace folio_{v}::quant;
@@ -47,18 +58,11 @@ void widen(const uint8_t* qs, const uint8_t* sc, long B, long groups, const floa
   for (long g = 0; g < groups; ++g)
     tile_widen<Fmt, 1>(qs + g * qsz, sc + g * ssz, B, x, B * 32, xsum, 0, out + 16 * g);
 }}
-extern "C" void widen_{v}(long fmt, const uint8_t* qs, const uint8_t* sc, long B, long groups,
-                          const float* x, const float* xsum, float* out) {{
-  using namespace folio_{v}::quant;
-  if (fmt == kQ4_K) widen<kQ4_K>(qs, sc, B, groups, x, xsum, out);
-  else if (fmt == kQ6_K) widen<kQ6_K>(qs, sc, B, groups, x, xsum, out);
-  else if (fmt == kQ4_1) widen<kQ4_1>(qs, sc, B, groups, x, xsum, out);
-  else if (fmt == kQ4_0) widen<kQ4_0>(qs, sc, B, groups, x, xsum, out);
-  else widen<kQ8_0>(qs, sc, B, groups, x, xsum, out);
-}}
+BY_FORMAT(widen_{v}, widen)
 #ifdef __AVX2__
 template <int64_t Fmt>
-void dot8(const uint8_t* qs, const uint8_t* sc, long B, long groups, const float* x, float* out) {{
+void dot8(const uint8_t* qs, const uint8_t* sc, long B, long groups, const float* x,
+          const float*, float* out) {{
   using namespace folio_{v}::quant;
   long qsz, ssz;
   layout_{v}(Fmt, B, &qsz, &ssz);
@@ -67,15 +71,7 @@ void dot8(const uint8_t* qs, const uint8_t* sc, long B, long groups, const float
   for (long g = 0; g < groups; ++g)
     tile_avx2<Fmt, 1>(qs + g * qsz, sc + g * ssz, B, xr, 0, out + 16 * g);
 }}
-extern "C" void int8_{v}(long fmt, const uint8_t* qs, const uint8_t* sc, long B, long groups,
-                         const float* x, const float* xsum, float* out) {{
-  using namespace folio_{v}::quant;
-  if (fmt == kQ4_K) dot8<kQ4_K>(qs, sc, B, groups, x, out);
-  else if (fmt == kQ6_K) dot8<kQ6_K>(qs, sc, B, groups, x, out);
-  else if (fmt == kQ4_1) dot8<kQ4_1>(qs, sc, B, groups, x, out);
-  else if (fmt == kQ4_0) dot8<kQ4_0>(qs, sc, B, groups, x, out);
-  else dot8<kQ8_0>(qs, sc, B, groups, x, out);
-}}
+BY_FORMAT(int8_{v}, dot8)
 #endif
 """
 
@@ -97,15 +93,7 @@ void dot16(const uint8_t* qs, const uint8_t* sc, long B, long groups, const floa
       tile_int16<Fmt, 1>(qs + g * qsz, sc + g * ssz, B, xr, 0, out + 16 * g);
   }}
 }}
-extern "C" void int16_{v}(long fmt, const uint8_t* qs, const uint8_t* sc, long B, long groups,
-                          const float* x, const float* xsum, float* out) {{
-  using namespace folio_{v}::quant;
-  if (fmt == kQ4_K) dot16<kQ4_K>(qs, sc, B, groups, x, xsum, out);
-  else if (fmt == kQ6_K) dot16<kQ6_K>(qs, sc, B, groups, x, xsum, out);
-  else if (fmt == kQ4_1) dot16<kQ4_1>(qs, sc, B, groups, x, xsum, out);
-  else if (fmt == kQ4_0) dot16<kQ4_0>(qs, sc, B, groups, x, xsum, out);
-  else dot16<kQ8_0>(qs, sc, B, groups, x, xsum, out);
-}}
+BY_FORMAT(int16_{v}, dot16)
 #endif
 """
 
