@@ -44,9 +44,10 @@ GROUP_ROWS = 16
 _GGUF_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34, Q4_K: 144, Q6_K: 210}
 _OFFSET = {Q4_0: 8, Q4_1: 0, Q8_0: 128, Q4_K: 0, Q6_K: 32}  # stored u = q + offset
 # Packed scale bytes per group of 16 rows and superblock (csrc/quant_pack.h):
-#   Q4_K: d fp16[16] | dmin fp16[16] | sc u8[8 blocks][16] | m u8[8][16]
+#   Q4_K: d fp16[16] | dmin fp16[16] | sc low nibbles [8 blocks][8] | m low [8][8]
+#         | sc top bits [8][4] | m top [8][4]   (6-bit sc and m, as GGUF's 16 bytes a row)
 #   Q6_K: d fp16[16] | sc i8[8 blocks][2 halves][16]
-_K_SCALE_BYTES = {Q4_K: 320, Q6_K: 288}
+_K_SCALE_BYTES = {Q4_K: 256, Q6_K: 288}
 
 BEST_INT8, VNNI512, AVX2, SCALAR, WIDEN, BF16DOT, AMX, INT16 = 0, 1, 2, 3, 4, 5, 6, 7
 ROUTES = {"int8": BEST_INT8, "int8_vnni512": VNNI512, "int8_avx2": AVX2,
@@ -60,7 +61,7 @@ EXACT_ROUTES = frozenset({WIDEN, BF16DOT, AMX})  # x as given: float32 rounding 
 class PackedWeight:
     """An ``[n, k]`` weight in the packed layout: ``qs`` uint8 ``[groups, k/32,
     256|384|512]`` and ``scales`` fp16 ``[groups, k/32, 16|32]`` (d of the 16 rows, then
-    m for Q4_1), or for the K-quants uint8 ``[groups, k/256, 320|288]``."""
+    m for Q4_1), or for the K-quants uint8 ``[groups, k/256, 256|288]``."""
 
     fmt: int
     n: int
@@ -121,6 +122,25 @@ def _pack(u: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, fmt: int) ->
                         torch.cat(scales, dim=2).contiguous())
 
 
+def _pack_six_bits(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's 6-bit sc or m of 16 rows, ``v`` uint8 [..., 8 blocks, 16], as 12 bytes a
+    block: 8 of low nibbles (byte j: row j | row j + 8 << 4) and 4 of top bits (byte j,
+    bits 2f..2f+1: row 4f + j); flattened over the blocks, [..., 64] and [..., 32]."""
+    lo = (v[..., :8] & 15) | ((v[..., 8:] & 15) << 4)
+    top = (v >> 4).view(*v.shape[:-1], 4, 4)  # [..., f, j]: row 4f + j
+    hi = top[..., 0, :] | top[..., 1, :] << 2 | top[..., 2, :] << 4 | top[..., 3, :] << 6
+    return lo.flatten(-2), hi.flatten(-2)
+
+
+def _six_bits(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_pack_six_bits`: [..., 64] and [..., 32] bytes to the
+    values uint8 [..., 8 blocks, 16 rows]."""
+    lo, hi = lo.unflatten(-1, (8, 8)), hi.unflatten(-1, (8, 4))
+    low = torch.cat([lo & 15, lo >> 4], dim=-1)
+    top = torch.cat([(hi >> (2 * f)) & 3 for f in range(4)], dim=-1)
+    return low | (top << 4)
+
+
 def _pack_k(u: torch.Tensor, d: torch.Tensor, parts: list[torch.Tensor], fmt: int) -> PackedWeight:
     """A K-quant: ``u`` [n, blocks, 32], ``d`` fp16 [n, superblocks] and the per-row
     integer ``parts`` (Q4_K: dmin fp16 [n, sb], sc and m u8 [n, sb, 8]; Q6_K: sc i8
@@ -135,8 +155,13 @@ def _pack_k(u: torch.Tensor, d: torch.Tensor, parts: list[torch.Tensor], fmt: in
         # integers per row and block: [g, j, sb, i] -> [g, sb, i, j]
         return t.permute(0, 2, 3, 1).reshape(groups, sb, -1)
 
-    scales = torch.cat([per_group(d[..., None])] + [per_group(
-        p[..., None] if p.dtype == torch.float16 else p) for p in parts], dim=2)
+    fields = [per_group(p[..., None] if p.dtype == torch.float16 else p) for p in parts]
+    if fmt == Q4_K:  # 6-bit sc and m: low nibbles, then top bits (_six_bits)
+        dmin, sc, m = fields
+        (sc_lo, sc_hi), (m_lo, m_hi) = (_pack_six_bits(t.view(groups, sb, 8, GROUP_ROWS))
+                                        for t in (sc, m))
+        fields = [dmin, sc_lo, m_lo, sc_hi, m_hi]
+    scales = torch.cat([per_group(d[..., None])] + fields, dim=2)
     assert scales.shape[2] == _K_SCALE_BYTES[fmt]
     return PackedWeight(fmt, n, blocks * BLOCK, _pack_values(u, fmt), scales.contiguous())
 
@@ -245,8 +270,8 @@ def _block_scales(p: PackedWeight, g: torch.Tensor, j: torch.Tensor):
     pick = lambda t: t.gather(-1, j.view(-1, 1, 1).expand(-1, sb, 1))[..., 0]  # noqa: E731
     if p.fmt == Q4_K:
         dmin = raw[..., 32:64].contiguous().view(torch.float16).float()
-        sc = raw[..., 64:192].reshape(rows, sb, 8, GROUP_ROWS)
-        m = raw[..., 192:320].reshape(rows, sb, 8, GROUP_ROWS)
+        sc = _six_bits(raw[..., 64:128], raw[..., 192:224])  # [rows, sb, 8, 16]
+        m = _six_bits(raw[..., 128:192], raw[..., 224:256])
         jj = j.view(-1, 1, 1, 1).expand(-1, sb, 8, 1)
         D = pick(d)[..., None] * sc.gather(-1, jj)[..., 0].float()
         M = -(pick(dmin)[..., None] * m.gather(-1, jj)[..., 0].float())

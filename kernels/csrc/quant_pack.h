@@ -38,8 +38,14 @@
 // 16h + 4f + t of row j, so plane h serves chunks 2h and 2h+1). Their scales stay
 // integers, as stored, per group and superblock (uint8 [G][B/8][bytes]):
 //
-//   Q4_K  d fp16[16] | dmin fp16[16] | sc u8[8 blocks][16] | m u8[8 blocks][16]   320
+//   Q4_K  d fp16[16] | dmin fp16[16] | sc lo[8 blocks][8] | m lo[8][8]
+//         | sc hi[8 blocks][4] | m hi[8][4]                                        256
 //   Q6_K  d fp16[16] | sc i8[8 blocks][2 halves][16]                              288
+//
+// Q4_K's sc and m are 6 bits, kept in 12 bytes per block of 16 rows, as GGUF keeps them
+// in 12 per row, so the packed tensor is the GGUF's size: lo byte j holds rows j and
+// j + 8 (low nibble first), hi byte j bits 2f..2f+1 the top bits of row 4f + j
+// (six_bits16 below unpacks a block's 16 values).
 //
 // and a block's multipliers are formed in float32, where d * sc is exact, so the
 // kernels see exactly the values gguf's dequantisation gives (w = D * (u - off) + M).
@@ -62,6 +68,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -81,13 +88,31 @@ constexpr bool has_min(int64_t fmt) { return fmt == kQ4_1 || fmt == kQ4_K; }
 constexpr bool split_halves(int64_t fmt) { return fmt == kQ6_K; }  // a scale per 16 k
 constexpr int qs_bytes(int64_t fmt) { return fmt == kQ8_0 ? 512 : fmt == kQ6_K ? 384 : 256; }
 constexpr int scale_count(int64_t fmt) { return fmt == kQ4_1 ? 32 : 16; }   // fp16 per block
-constexpr int k_scale_bytes(int64_t fmt) { return fmt == kQ4_K ? 320 : 288; }  // per superblock
+constexpr int k_scale_bytes(int64_t fmt) { return fmt == kQ4_K ? 256 : 288; }  // per superblock
 constexpr int32_t offset_of(int64_t fmt) {
   return fmt == kQ4_0 ? 8 : fmt == kQ8_0 ? 128 : fmt == kQ6_K ? 32 : 0;
 }
 // Scale bytes of one group of 16 rows, B blocks per row.
 constexpr int64_t group_scale_bytes(int64_t fmt, int64_t B) {
   return is_k(fmt) ? B / kSuperBlocks * k_scale_bytes(fmt) : B * scale_count(fmt) * 2;
+}
+
+// Q4_K's sc (or m) of block i for the group's 16 rows, from its packed 8 lo and 4 hi
+// bytes: rows 0-7 in `first`, rows 8-15 in `second`, a byte each (little endian). Done
+// in two 64-bit words: the unpacking runs once a block of 16 rows, beside the block's
+// 256 bytes of products.
+inline void six_bits16(const uint8_t* lo, const uint8_t* hi, uint64_t& first, uint64_t& second) {
+  constexpr uint64_t kNibbles = 0x0F0F0F0F0F0F0F0FULL, kPairs = 0x0303030303030303ULL;
+  uint64_t l;
+  uint32_t h32;
+  std::memcpy(&l, lo, sizeof l);
+  std::memcpy(&h32, hi, sizeof h32);
+  // byte j of (h >> 2f) & 3 is the top of row 4f + j: rows 0-7 take f = 0, 1, rows 8-15 f = 2, 3
+  const uint64_t h = h32;
+  const uint64_t top_first = (h & kPairs) | (((h >> 2) & kPairs) << 32);
+  const uint64_t top_second = ((h >> 4) & kPairs) | (((h >> 6) & kPairs) << 32);
+  first = (l & kNibbles) | (top_first << 4);
+  second = ((l >> 4) & kNibbles) | (top_second << 4);
 }
 
 // Activations quantized per block of 32, row-major like x.

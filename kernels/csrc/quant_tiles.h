@@ -109,10 +109,16 @@ inline void block_scales(const uint8_t* sc, int64_t b, float (&D)[2][16], float 
     };
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
     if constexpr (Fmt == kQ4_K) {
+      const auto six16 = [&](int lo, int hi) {  // lo, hi: where the sc or m bytes start
+        uint64_t first, second;
+        six_bits16(rec + lo + 8 * i, rec + hi + 4 * i, first, second);
+        return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_set_epi64x(static_cast<long long>(second), static_cast<long long>(first))));
+      };
       const __m512 dmin =
           _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)));
-      _mm512_store_ps(D[0], _mm512_mul_ps(dv, bytes16(rec + 64 + 16 * i, false)));
-      const __m512 dm = _mm512_mul_ps(dmin, bytes16(rec + 192 + 16 * i, false));
+      _mm512_store_ps(D[0], _mm512_mul_ps(dv, six16(64, 192)));
+      const __m512 dm = _mm512_mul_ps(dmin, six16(128, 224));
       _mm512_store_ps(M[0], _mm512_castsi512_ps(_mm512_xor_si512(  // -(dmin m)
                                 _mm512_castps_si512(dm), _mm512_set1_epi32(INT32_MIN))));
     } else {
@@ -127,9 +133,12 @@ inline void block_scales(const uint8_t* sc, int64_t b, float (&D)[2][16], float 
     alignas(64) float s[16];
     if constexpr (Fmt == kQ4_K) {
       alignas(64) float dmin[16], m[16];
+      alignas(16) uint64_t sc6[2], m6[2];
+      six_bits16(rec + 64 + 8 * i, rec + 192 + 4 * i, sc6[0], sc6[1]);
+      six_bits16(rec + 128 + 8 * i, rec + 224 + 4 * i, m6[0], m6[1]);
       halves_to_float(reinterpret_cast<const c10::Half*>(rec + 32), dmin);
-      bytes_to_float<false>(rec + 64 + 16 * i, s);
-      bytes_to_float<false>(rec + 192 + 16 * i, m);
+      bytes_to_float<false>(reinterpret_cast<const uint8_t*>(sc6), s);
+      bytes_to_float<false>(reinterpret_cast<const uint8_t*>(m6), m);
       for (int j = 0; j < kGroupRows; ++j) {
         D[0][j] = d[j] * s[j];
         M[0][j] = -(dmin[j] * m[j]);

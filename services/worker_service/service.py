@@ -39,7 +39,7 @@ from services.protocol import (ApplyLoRACommands, ExecuteStep, Health, LoRALoadF
 from services.transport import PeerLink, start_site, websocket_route
 from worker.bootstrap import bootstrap_model
 from worker.distributed.rank_processes import run_rank
-from worker.heap import release_freed_memory
+from worker.heap import release_freed_memory, single_arena
 from worker.weight_update import WeightUpdateError
 from worker.worker_extension import RPCRefused
 
@@ -309,6 +309,7 @@ async def serve_any(config: FolioConfig, args: argparse.Namespace, stop: StopSig
 
 
 def main(argv: list[str] | None = None) -> int:
+    single_arena()  # before any thread allocates (worker/heap.py)
     parser = service_arguments("python -m services.worker_service")
     parser.add_argument("--rank", type=int, default=0,
                         help="tensor-parallel rank (0: the worker the engine core talks to)")

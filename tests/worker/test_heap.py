@@ -54,3 +54,34 @@ def test_first_decode_only_step_after_new_requests_trims():
     assert not trim.after_step(4, 0, True)        # once per arrival
     assert not trim.after_step(5, 1, True)        # a one-token prompt is decode-shaped...
     assert trim.after_step(5, 0, True)            # ...and trims on the step after
+
+
+ARENA_SCRIPT = textwrap.dedent("""
+    import sys, threading
+    from worker.heap import single_arena
+    if sys.argv[1] == "single":
+        assert single_arena()
+    kept = []
+    def allocate():  # 100 KB each: under glibc's mmap threshold, so from an arena
+        kept.extend(bytearray(100_000) for _ in range(64))
+    thread = threading.Thread(target=allocate)
+    thread.start()
+    thread.join()
+    # a thread's own arena is a 64 MiB reservation: its unused part maps as ---p
+    reserved = 0
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        lo, hi = (int(v, 16) for v in fields[0].split("-"))
+        if len(fields) == 5 and fields[1] == "---p" and hi - lo > (16 << 20):
+            reserved += 1
+    print(reserved)
+""")
+
+
+@pytest.mark.parametrize("mode", ["single", "default"])
+def test_a_thread_allocates_from_the_main_arena_after_single_arena(mode):
+    out = subprocess.run([sys.executable, "-c", ARENA_SCRIPT, mode], capture_output=True,
+                         text=True, check=True, cwd=".")
+    reserved = int(out.stdout.split()[-1])
+    # the default is glibc's: the thread got an arena of its own (the control)
+    assert reserved == 0 if mode == "single" else reserved >= 1
