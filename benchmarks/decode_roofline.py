@@ -13,7 +13,9 @@ at batch 1 the memory-bandwidth limit for the bytes a step reads.
 
 The decode side runs the real engine: B requests with ``--context`` prompt tokens are
 prefilled, then only steps where all B requests decode one token are timed (the whole
-``EngineCore.step()``: scheduling, batch building, forward, sampling, bookkeeping).
+``EngineCore.step()``: scheduling, batch building, forward, sampling, bookkeeping),
+``--steps`` of them after ``--warmup-steps`` (the first steps after a prefill run
+slower); at batch 1 the K/V bytes are counted at the timed steps' mean context.
 ``--serve`` adds a single stream through ``folio serve`` (one client, TPOT), and
 ``--llama-bench`` llama.cpp's ``llama-bench`` tg128 on the same GGUF and threads
 (benchmarks/llamacpp.py builds it); ``--pairs N`` alternates the two N times in one
@@ -88,14 +90,18 @@ def time_linears(layers, batch, dtype, plain: bool, repeats):
     return min(times[1:])
 
 
-def time_decode_steps(llm, batch, context, steps):
+def time_decode_steps(llm, batch, context, steps, warmup=0):
     """Seconds of each engine step in which exactly ``batch`` requests decode (a run of
-    k decode steps, scheduler.num_scheduler_steps, counts as k steps of its mean time)."""
+    k decode steps, scheduler.num_scheduler_steps, counts as k steps of its mean time):
+    ``steps`` of them after the first ``warmup``. The first decode steps after a
+    prefill run slower: on the AMX Xeon every part of the step (layers, LM head, batch
+    building) took 1.3-1.5x its later time for the first 8-12 tokens, with or without
+    AMX in the prefill, then settled."""
     from engine_core.outputs import ModelRunnerOutput
     from folio import SamplingParams
     engine = llm.engine
     prefill_steps = -(-batch * context // llm.config.scheduler.max_num_batched_tokens) + 1
-    params = SamplingParams(temperature=0.0, max_tokens=steps + prefill_steps + 1,
+    params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + prefill_steps + 1,
                             ignore_eos=True)
     for i in range(batch):
         prompt = [100 + (i * 7919 + j * 31) % 40000 for j in range(context)]
@@ -111,7 +117,7 @@ def time_decode_steps(llm, batch, context, steps):
         if (len(so.num_scheduled_tokens) == batch
                 and so.total_num_scheduled_tokens == batch * k):
             decode_times.extend([elapsed / k] * k)
-    return decode_times[:steps]
+    return decode_times[warmup:warmup + steps]
 
 
 def roofline_row(llm, layers, batch, args) -> dict:
@@ -119,11 +125,12 @@ def roofline_row(llm, layers, batch, args) -> dict:
     chosen = time_linears(layers, batch, dtype, False, args.repeats)
     plain = time_linears(layers, batch, dtype, True, args.repeats)
     roofline = min(t for t in (chosen, plain) if t is not None)
-    steps = time_decode_steps(llm, batch, args.context, args.steps)
+    steps = time_decode_steps(llm, batch, args.context, args.steps, args.warmup_steps)
     step = statistics.median(steps)
     row = {"batch": batch, "linear_seconds_folio": chosen, "linear_seconds_torch": plain,
            "roofline_tok_s": batch / roofline, "decode_step_seconds": step,
            "decode_step_seconds_all": steps, "decode_tok_s": batch / step,
+           "warmup_steps": args.warmup_steps,
            "fraction_of_roofline": roofline / step}
     print(f"batch {batch:4d}: linears {roofline * 1e3:7.2f} ms -> roofline "
           f"{batch / roofline:7.1f} tok/s | decode step {step * 1e3:7.2f} ms -> "
@@ -132,6 +139,7 @@ def roofline_row(llm, layers, batch, args) -> dict:
 
 
 def bandwidth_row(runner, step_seconds: float, bandwidth: float, context: int) -> dict:
+    """``context``: the timed steps' mean context (K/V grows by a token a step)."""
     read = decode_step_bytes(runner, context)
     limit = read["total"] / (bandwidth * 1e9)
     print(f"batch 1 reads {read['total'] / 1e6:.1f} MB ({read['weights'] / 1e6:.1f} MB "
@@ -254,7 +262,8 @@ def run(args) -> dict:
     print(f"read bandwidth {bandwidth:.1f} GB/s ({args.threads} threads)", flush=True)
     llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
               num_threads=args.threads, max_num_seqs=max(args.batch_sizes),
-              max_num_batched_tokens=2048, max_model_len=args.context + args.steps + 64,
+              max_num_batched_tokens=2048,
+              max_model_len=args.context + args.warmup_steps + args.steps + 64,
               enable_prefix_caching=False, kv_cache_bytes=int(args.kv_cache_gib * 1024 ** 3),
               **{"observability.log_level": "warning",
                  "worker.linear_backend": args.linear_backend})
@@ -267,13 +276,16 @@ def run(args) -> dict:
     result["rows"] = [roofline_row(llm, layers, b, args) for b in args.batch_sizes]
     one = [r for r in result["rows"] if r["batch"] == 1]
     if one:
+        context = args.context + args.warmup_steps + args.steps // 2  # the timed steps' mean
         result["batch_1"] = bandwidth_row(runner, one[0]["decode_step_seconds"], bandwidth,
-                                          args.context)
+                                          context)
+        result["batch_1"]["context"] = context
         result["bandwidth_after_gb_s"] = memory_bandwidth_gb_s()
     result["memory"] = memory_row(runner, Path(resolve_model_path(args.model)))
     if args.pairs:
         result["pairs"] = alternated_pairs(
-            lambda: 1 / statistics.median(time_decode_steps(llm, 1, args.context, args.steps)),
+            lambda: 1 / statistics.median(time_decode_steps(llm, 1, args.context, args.steps,
+                                                            args.warmup_steps)),
             Path(resolve_model_path(args.model)), args)
     del llm, runner
     if args.serve:
@@ -306,7 +318,10 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 64])
     ap.add_argument("--context", type=int, default=128, help="prompt tokens per request")
-    ap.add_argument("--steps", type=int, default=16, help="decode steps timed per batch")
+    ap.add_argument("--steps", type=int, default=48, help="decode steps timed per batch")
+    ap.add_argument("--warmup-steps", type=int, default=16,
+                    help="decode steps after the prefill left out of the timing (they run "
+                         "slower: time_decode_steps)")
     ap.add_argument("--repeats", type=int, default=3, help="linear-layer passes (best)")
     ap.add_argument("--kv-cache-gib", type=float, default=1.0)
     ap.add_argument("--serve", action="store_true", help="single stream via folio serve")

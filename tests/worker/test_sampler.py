@@ -181,6 +181,25 @@ def test_row_argmax_is_argmax_with_ties_to_the_first_index():
     x[7, 0] = x[7, 1] = float("inf")
     assert torch.equal(row_argmax(x), x.argmax(-1))
     assert row_argmax(x)[3] == 10 and row_argmax(x)[7] == 0
+    for dtype in (torch.bfloat16, torch.float16):  # one 16-bit row: the native kernel
+        row = x[3:4].to(dtype)
+        assert row_argmax(row).tolist() == [10] == row.argmax(-1).tolist()
+
+
+def test_runner_samples_argmax_only_rows_without_the_sampler(monkeypatch):
+    """A step of plain greedy rows takes each row's argmax straight from the logits;
+    the sampler, which the other steps use, is never called."""
+    from worker.model_runner import ModelRunner
+
+    class Row:
+        sampling_params = WorkerSamplingParams(temperature=0.0)
+    runner = object.__new__(ModelRunner)
+    runner.sampler = lambda *a: pytest.fail("the sampler ran for argmax-only rows")
+    logits = torch.randn(3, 500).bfloat16()
+    logits[1, 7] = logits[1, 9] = 50.0  # a tie: the first index wins
+    tokens, logprobs = runner.sample([Row()] * 3, logits, argmax_only=True)
+    assert tokens == logits.float().argmax(-1).tolist() and tokens[1] == 7
+    assert logprobs == [None] * 3
 
 
 @pytest.mark.parametrize("n", [1, 15, 16, 49152 + 7])
