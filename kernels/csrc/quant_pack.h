@@ -115,6 +115,14 @@ inline void six_bits16(const uint8_t* lo, const uint8_t* hi, uint64_t& first, ui
   second = ((l >> 4) & kNibbles) | (top_second << 4);
 }
 
+// Block i's sc and m of a Q4_K scale record (the layout above), 16 bytes each, rows in
+// order: sc in sc[0..1], m in m[0..1].
+inline void q4_k_block_scales(const uint8_t* rec, int64_t i, uint64_t (&sc)[2], uint64_t (&m)[2]) {
+  constexpr int kScLo = 64, kMLo = 128, kScHi = 192, kMHi = 224;
+  six_bits16(rec + kScLo + 8 * i, rec + kScHi + 4 * i, sc[0], sc[1]);
+  six_bits16(rec + kMLo + 8 * i, rec + kMHi + 4 * i, m[0], m[1]);
+}
+
 // Activations quantized per block of 32, row-major like x.
 struct QuantizedRows {
   int64_t rows = 0, blocks = 0;

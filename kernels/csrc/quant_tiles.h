@@ -109,16 +109,16 @@ inline void block_scales(const uint8_t* sc, int64_t b, float (&D)[2][16], float 
     };
     const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec)));
     if constexpr (Fmt == kQ4_K) {
-      const auto six16 = [&](int lo, int hi) {  // lo, hi: where the sc or m bytes start
-        uint64_t first, second;
-        six_bits16(rec + lo + 8 * i, rec + hi + 4 * i, first, second);
+      uint64_t sc[2], m[2];
+      q4_k_block_scales(rec, i, sc, m);
+      const auto widen = [](const uint64_t (&v)[2]) {
         return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-            _mm_set_epi64x(static_cast<long long>(second), static_cast<long long>(first))));
+            _mm_set_epi64x(static_cast<long long>(v[1]), static_cast<long long>(v[0]))));
       };
       const __m512 dmin =
           _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + 32)));
-      _mm512_store_ps(D[0], _mm512_mul_ps(dv, six16(64, 192)));
-      const __m512 dm = _mm512_mul_ps(dmin, six16(128, 224));
+      _mm512_store_ps(D[0], _mm512_mul_ps(dv, widen(sc)));
+      const __m512 dm = _mm512_mul_ps(dmin, widen(m));
       _mm512_store_ps(M[0], _mm512_castsi512_ps(_mm512_xor_si512(  // -(dmin m)
                                 _mm512_castps_si512(dm), _mm512_set1_epi32(INT32_MIN))));
     } else {
@@ -134,8 +134,7 @@ inline void block_scales(const uint8_t* sc, int64_t b, float (&D)[2][16], float 
     if constexpr (Fmt == kQ4_K) {
       alignas(64) float dmin[16], m[16];
       alignas(16) uint64_t sc6[2], m6[2];
-      six_bits16(rec + 64 + 8 * i, rec + 192 + 4 * i, sc6[0], sc6[1]);
-      six_bits16(rec + 128 + 8 * i, rec + 224 + 4 * i, m6[0], m6[1]);
+      q4_k_block_scales(rec, i, sc6, m6);
       halves_to_float(reinterpret_cast<const c10::Half*>(rec + 32), dmin);
       bytes_to_float<false>(reinterpret_cast<const uint8_t*>(sc6), s);
       bytes_to_float<false>(reinterpret_cast<const uint8_t*>(m6), m);

@@ -46,8 +46,9 @@ double worst(std::mt19937& rng) {
   std::vector<uint8_t> qs(groups * qsz), sc(groups * ssz);
   for (auto& b : qs) b = rng();
   for (auto& b : sc) b = rng();
-  if (is_k(Fmt)) {  // d (and dmin): fp16 in [2^-8, 2^-7); the integers as drawn (any bytes are
-    // valid packed 6-bit Q4_K scales)
+  // K-quants: d (and dmin) fp16 in [2^-8, 2^-7); the integers as drawn (any bytes are
+  // valid packed 6-bit Q4_K scales)
+  if (is_k(Fmt)) {
     for (int64_t g = 0; g < groups; ++g)
       for (int64_t s = 0; s < B / kSuperBlocks; ++s) {
         uint8_t* rec = sc.data() + g * ssz + s * k_scale_bytes(Fmt);

@@ -186,7 +186,7 @@ def test_row_argmax_is_argmax_with_ties_to_the_first_index():
         assert row_argmax(row).tolist() == [10] == row.argmax(-1).tolist()
 
 
-def test_runner_samples_argmax_only_rows_without_the_sampler(monkeypatch):
+def test_runner_samples_argmax_only_rows_without_the_sampler():
     """A step of plain greedy rows takes each row's argmax straight from the logits;
     the sampler, which the other steps use, is never called."""
     from worker.model_runner import ModelRunner
