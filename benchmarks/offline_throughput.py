@@ -44,7 +44,8 @@ def run_folio(reqs, args):
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=1024, enable_prefix_caching=False,
               kv_cache_bytes=int(args.kv_cache_gib * 1024 ** 3),
-              **({"observability.log_level": "warning"}))
+              **{"observability.log_level": "warning",
+                 "worker.prefill_attention": getattr(args, "prefill_attention", "sdpa")})
     prompts = [{"prompt_token_ids": ids} for ids, _ in reqs]
     params = [SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True)
               for _, out in reqs]
@@ -116,6 +117,8 @@ def main():
     ap.add_argument("--quantization", default="none", choices=["none", "auto"],
                     help="Folio's model.quantization (auto: a quantized GGUF stays "
                          "quantized); HF always runs the dequantised weights in --dtype")
+    ap.add_argument("--prefill-attention", default="sdpa", choices=["sdpa", "amx"],
+                    help="Folio's worker.prefill_attention (amx: the AMX prompt kernel)")
     ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512])
     ap.add_argument("--output-len", type=int, nargs=2, default=[32, 256])
@@ -137,6 +140,7 @@ def main():
                            "prompt_tokens": sum(len(p) for p, _ in reqs),
                            "output_tokens": sum(o for _, o in reqs)},
               "model": args.model, "dtype": args.dtype, "quantization": args.quantization,
+              "prefill_attention": args.prefill_attention,
               "threads": args.threads,
               "machine": machine_facts()}
     result["folio"] = run_folio(reqs, args)

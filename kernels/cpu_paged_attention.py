@@ -1,4 +1,5 @@
-"""Native CPU decode paged attention (``csrc/paged_attention_decode.cpp``).
+"""Native CPU paged attention: decode (``csrc/paged_attention_decode.cpp``) and the causal
+attention of a step's fresh prompt segments on AMX tiles (``csrc/prefill_attention.cpp``).
 
 The kernel is part of the native CPU extension (:mod:`kernels.cpu_extension`), which is
 built at first use; :func:`is_available` says whether it loaded, and callers fall back to
@@ -11,7 +12,10 @@ import torch
 from kernels import cpu_extension
 from kernels.cpu_extension import DISABLE_ENV, is_available, unavailable_reason
 
-__all__ = ["DISABLE_ENV", "is_available", "paged_attention_decode", "unavailable_reason"]
+__all__ = ["DISABLE_ENV", "is_available", "paged_attention_decode", "prefill_attention",
+           "prefill_attention_available", "unavailable_reason"]
+
+_prefill_available: bool | None = None
 
 
 def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor,
@@ -37,3 +41,29 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor,
         seq_lens = seq_lens.to(torch.int64)
     return ops.paged_attention_decode(query, kv_cache, block_tables, seq_lens, float(scale),
                                       sliding_window)
+
+
+def prefill_attention_available() -> bool:
+    """Whether the AMX prefill kernel runs here: the extension built with AMX-BF16 and
+    AVX512-BF16, and the kernel granted the tile state (asked once per process)."""
+    global _prefill_available
+    if _prefill_available is None:
+        _prefill_available = is_available() and bool(
+            cpu_extension.require().prefill_attention_available())
+    return _prefill_available
+
+
+def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      seg_starts: torch.Tensor, seg_lens: torch.Tensor, scale: float,
+                      out: torch.Tensor) -> torch.Tensor:
+    """Causal attention of prompt segments whose keys are all this step's own tokens.
+
+    ``query``/``out`` ``[T, H, hd]`` and ``key``/``value`` ``[T, kv_heads, hd]``, bf16,
+    each token's heads contiguous (token rows may be strided); segment ``s`` is tokens
+    ``[seg_starts[s], seg_starts[s] + seg_lens[s])`` (int64), query ``i`` of it sees keys
+    ``0..i`` of it. Writes the segments' rows of ``out`` (nothing else) and returns it.
+    Needs :func:`prefill_attention_available`.
+    """
+    cpu_extension.require().prefill_attention(query, key, value, seg_starts, seg_lens,
+                                              float(scale), out)
+    return out

@@ -57,7 +57,8 @@ class PagedAttentionPlan:
     """Per-step attention plan, derived once and shared by every layer.
 
     Decodes run either the native kernel (block tables read in place) or the torch
-    reference (padded gather indices and mask); prefill segments always run SDPA.
+    reference (padded gather indices and mask); prefill segments run SDPA, except that
+    with ``amx_prefill`` the fresh bf16 ones run the AMX prefill kernel.
     """
 
     num_decodes: int
@@ -68,6 +69,8 @@ class PagedAttentionPlan:
     decode_seq_lens: torch.Tensor | None = None  # native: [num_decodes]
     sliding_window: int | None = None
     ragged: RaggedAttentionMetadata | None = None  # Triton: everything runs in one kernel
+    native: bool = False  # the native CPU kernels run this step's attention
+    amx_prefill: bool = False  # native: fresh prompt segments on the AMX kernel
 
     def to(self, device: torch.device) -> "PagedAttentionPlan":
         """The reference's tensors moved to ``device`` (the torch backend on a GPU)."""
@@ -78,7 +81,8 @@ class PagedAttentionPlan:
         return PagedAttentionPlan(self.num_decodes, move(self.decode_slots),
                                   move(self.decode_mask), prefills,
                                   move(self.decode_block_tables), move(self.decode_seq_lens),
-                                  self.sliding_window, self.ragged)
+                                  self.sliding_window, self.ragged, self.native,
+                                  self.amx_prefill)
 
 
 def _positions_to_slots(block_table: torch.Tensor, positions: torch.Tensor,
@@ -89,11 +93,13 @@ def _positions_to_slots(block_table: torch.Tensor, positions: torch.Tensor,
 
 def make_plan(query_start_loc: list[int], seq_lens: list[int], block_tables: torch.Tensor,
               block_size: int, sliding_window: int | None = None,
-              use_native_decode: bool = False) -> PagedAttentionPlan:
+              use_native_decode: bool = False, amx_prefill: bool = False
+              ) -> PagedAttentionPlan:
     """Derive the step's plan for a batch ordered decodes first.
 
-    ``use_native_decode`` hands decodes to the native CPU kernel (see
-    kernels/cpu_paged_attention.py); the caller checks that it is available.
+    ``use_native_decode`` hands decodes to the native CPU kernel, and with
+    ``amx_prefill`` (worker.prefill_attention: amx) fresh bf16 prompt segments to the AMX
+    one (see kernels/cpu_paged_attention.py); the caller checks that they are available.
     """
     num_reqs = len(seq_lens)
     query_lens = [query_start_loc[r + 1] - query_start_loc[r] for r in range(num_reqs)]
@@ -131,7 +137,9 @@ def make_plan(query_start_loc: list[int], seq_lens: list[int], block_tables: tor
                 mask &= k_pos > q_pos - sliding_window
         prefills.append(PrefillSegment(start, end, seq_len, key_slots, mask))
     return PagedAttentionPlan(num_decodes, decode_slots, decode_mask, prefills,
-                              decode_tables, decode_lens, sliding_window)
+                              decode_tables, decode_lens, sliding_window,
+                              native=use_native_decode,
+                              amx_prefill=use_native_decode and amx_prefill)
 
 
 def pack_aligned(parts: list, dtype, device: torch.device) -> list[torch.Tensor]:
@@ -221,9 +229,11 @@ def _flat(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return flat[0], flat[1]
 
 
-def _prefills_into(out, query, key, value, kv_cache, plan, scale) -> torch.Tensor:
+def _prefills_into(out, query, key, value, kv_cache, plan, scale,
+                   segments: list[PrefillSegment] | None = None) -> torch.Tensor:
+    """``segments`` (default: all of the plan's prefills) through torch SDPA into out."""
     k_flat, v_flat = _flat(kv_cache)
-    for seg in plan.prefills:
+    for seg in plan.prefills if segments is None else segments:
         out[seg.start:seg.end] = _prefill_attention(query, key, value, k_flat, v_flat, seg,
                                                     scale)
     return out
@@ -256,14 +266,34 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         return ragged_paged_attention(query, kv_cache, m.block_tables, m.seq_lens,
                                       m.query_start_loc, m.max_query_len, scale,
                                       plan.sliding_window, m.num_splits)
-    if plan.decode_block_tables is None:
+    if not plan.native:
         return paged_attention_reference(query, key, value, kv_cache, plan, scale)
-    from kernels.cpu_paged_attention import paged_attention_decode
-    decoded = paged_attention_decode(query[:plan.num_decodes], kv_cache,
-                                     plan.decode_block_tables, plan.decode_seq_lens, scale,
-                                     plan.sliding_window)
-    if not plan.prefills:
-        return decoded
     out = torch.empty_like(query)
-    out[:plan.num_decodes] = decoded
-    return _prefills_into(out, query, key, value, kv_cache, plan, scale)
+    if plan.num_decodes:
+        from kernels.cpu_paged_attention import paged_attention_decode
+        decoded = paged_attention_decode(query[:plan.num_decodes], kv_cache,
+                                         plan.decode_block_tables, plan.decode_seq_lens,
+                                         scale, plan.sliding_window)
+        if not plan.prefills:
+            return decoded
+        out[:plan.num_decodes] = decoded
+    return _native_prefills_into(out, query, key, value, kv_cache, plan, scale)
+
+
+def _native_prefills_into(out, query, key, value, kv_cache, plan, scale) -> torch.Tensor:
+    """The prefill segments on the CPU: with ``plan.amx_prefill``, those whose keys are
+    all this step's (plain causal, a bf16 cache) through the AMX kernel in one call, the
+    rest (continued prompts, masks, other dtypes) through the reference."""
+    from kernels import cpu_paged_attention as native
+    fresh = [s for s in plan.prefills if s.key_slots is None and s.mask is None]
+    head_dim = query.shape[-1]
+    if (not plan.amx_prefill or not fresh or plan.sliding_window is not None or query.dtype != torch.bfloat16
+            or kv_cache.dtype != torch.bfloat16 or head_dim not in (64, 128)
+            or any(t.stride(1) != head_dim or t.stride(2) != 1 for t in (query, key, value))
+            or not native.prefill_attention_available()):
+        return _prefills_into(out, query, key, value, kv_cache, plan, scale)
+    starts = torch.tensor([s.start for s in fresh], dtype=torch.int64)
+    lens = torch.tensor([s.end - s.start for s in fresh], dtype=torch.int64)
+    native.prefill_attention(query, key, value, starts, lens, scale, out)
+    rest = [s for s in plan.prefills if s.key_slots is not None or s.mask is not None]
+    return _prefills_into(out, query, key, value, kv_cache, plan, scale, rest)

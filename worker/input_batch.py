@@ -160,7 +160,8 @@ def batch_tensors(arrays: StepArrays, logits_indices: list[int], block_size: int
                                 backend.num_kv_heads, sliding_window, backend.num_sms)
     else:
         plan = make_plan(qsl, seq_lens, torch.from_numpy(block_tables),
-                         block_size, sliding_window, backend.name == NATIVE_CPU)
+                         block_size, sliding_window, backend.name == NATIVE_CPU,
+                         backend.amx_prefill)
         if device.type != "cpu":
             plan = plan.to(device)
     if device.type == "cpu":

@@ -1,6 +1,8 @@
 """The model runner: loads the model, owns the KV cache, executes scheduler steps."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import time
 
 import torch
@@ -131,6 +133,11 @@ class ModelRunner:
         log.debug("attention backend", backend=name, device=str(self.device),
                   deterministic=self.worker_config.deterministic, **extra)
         backend = make_attention_backend(name, self.device, self.model.shard.num_kv_heads)
+        if self.worker_config.prefill_attention == "amx" and name == NATIVE_CPU:
+            if cpu_paged_attention.prefill_attention_available():
+                backend = replace(backend, amx_prefill=True)
+            else:
+                log.warning("worker.prefill_attention=amx: no AMX-BF16 here, prompts take sdpa")
         if self.worker_config.deterministic:
             backend = make_deterministic(self.model, backend)
         return backend

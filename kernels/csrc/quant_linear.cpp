@@ -26,11 +26,6 @@
 #include <algorithm>
 #include <vector>
 
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
 #include "kernel_entries.h"
 #include "scratch.h"
 #include "quant_tiles.h"
@@ -46,22 +41,6 @@ enum Route : int64_t {
   kBestInt8 = 0, kVnni512 = 1, kAvx2 = 2, kScalar = 3, kWiden = 4, kBf16Dot = 5, kAmx = 6,
   kInt16 = 7
 };
-
-#ifdef FOLIO_QUANT_AMX
-// Linux hands a process the AMX tile state only on request (arch_prctl
-// ARCH_REQ_XCOMP_PERM for XTILEDATA); without it the first tile op is SIGILL.
-bool amx_permitted() {
-  static const bool granted = [] {
-#if defined(__linux__) && defined(SYS_arch_prctl)
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-#else
-    return false;
-#endif
-  }();
-  return granted;
-}
-#endif
 
 std::vector<int64_t> built_routes() {
   std::vector<int64_t> routes;

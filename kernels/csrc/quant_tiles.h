@@ -28,6 +28,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "quant_pack.h"
 
 #if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
@@ -573,7 +574,7 @@ inline void tile_bf16dot(const uint8_t* qs, const uint8_t* sc, int64_t B, const 
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * kGroupRows, acc[r]);
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#ifdef FOLIO_AMX
 #define FOLIO_QUANT_AMX 1
 
 // The AMX route: the bf16 route's pairs as tiles (and Q8_0's values converted to bf16).
@@ -588,11 +589,6 @@ inline void tile_bf16dot(const uint8_t* qs, const uint8_t* sc, int64_t B, const 
 // tmm6 A [16 x 16 pairs], tmm2 / tmm7 B [16 pairs x 16] (two chains the hardware can
 // overlap). Q6_K: tmm3 A [16 x 8 pairs], tmm4 / tmm6 B of each half [8 pairs x 16],
 // tmm0 / tmm5 C.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // Loads the tile shapes for Fmt; each thread, before its first tile op of a call (the
 // registers' shapes are per thread, and torch's own AMX GEMMs load theirs).
@@ -600,16 +596,12 @@ template <int64_t Fmt>
 inline void amx_configure() {
   static const TileConfig config = [] {
     TileConfig c;
-    const auto shape = [&](int t, int rows, int bytes) {
-      c.rows[t] = static_cast<uint8_t>(rows);
-      c.colsb[t] = static_cast<uint16_t>(bytes);
-    };
     if constexpr (split_halves(Fmt)) {
-      for (int t : {0, 5}) shape(t, 16, 64);
-      shape(3, 16, 32);
-      for (int t : {4, 6}) shape(t, 8, 64);
+      for (int t : {0, 5}) c.shape(t, 16, 64);
+      c.shape(3, 16, 32);
+      for (int t : {4, 6}) c.shape(t, 8, 64);
     } else {
-      for (int t : {0, 1, 2, 5, 6, 7}) shape(t, 16, 64);
+      for (int t : {0, 1, 2, 5, 6, 7}) c.shape(t, 16, 64);
     }
     return c;
   }();
