@@ -81,8 +81,10 @@ def main():
         row = {"length": n, "amx_us": round(t_amx * 1e6, 1), "sdpa_us": round(t_sdpa * 1e6, 1),
                "speedup": round(t_sdpa / t_amx, 2)}
         for name, out in (("amx", out_amx), ("sdpa", out_sdpa)):
-            row[f"{name}_equal_to_float32_rounded"] = round((out == rounded).float().mean().item(), 4)
-            row[f"{name}_mean_abs_error"] = float(f"{(out.float() - exact).abs().mean().item():.3e}")
+            equal = (out == rounded).float().mean().item()
+            error = (out.float() - exact).abs().mean().item()
+            row[f"{name}_equal_to_float32_rounded"] = round(equal, 4)
+            row[f"{name}_mean_abs_error"] = float(f"{error:.3e}")
         rows.append(row)
         print(f"{n:5d} tokens: amx {row['amx_us']:8.1f} us  sdpa {row['sdpa_us']:8.1f} us  "
               f"{row['speedup']:.2f}x   outputs = float32 rounded: amx "

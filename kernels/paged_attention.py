@@ -287,8 +287,9 @@ def _native_prefills_into(out, query, key, value, kv_cache, plan, scale) -> torc
     from kernels import cpu_paged_attention as native
     fresh = [s for s in plan.prefills if s.key_slots is None and s.mask is None]
     head_dim = query.shape[-1]
-    if (not plan.amx_prefill or not fresh or plan.sliding_window is not None or query.dtype != torch.bfloat16
-            or kv_cache.dtype != torch.bfloat16 or head_dim not in (64, 128)
+    if (not plan.amx_prefill or not fresh or plan.sliding_window is not None
+            or query.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16
+            or head_dim not in (64, 128)
             or any(t.stride(1) != head_dim or t.stride(2) != 1 for t in (query, key, value))
             or not native.prefill_attention_available()):
         return _prefills_into(out, query, key, value, kv_cache, plan, scale)

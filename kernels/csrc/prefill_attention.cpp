@@ -79,9 +79,11 @@ void pack_keys(const c10::BFloat16* k, int64_t k_stride, int64_t len, uint32_t* 
     const __mmask16 mask = static_cast<__mmask16>((1u << live) - 1);
     const uint8_t* rows = base + c * kTile * k_stride * 2;
     uint32_t* dst = kt + c * (HD / 2) * kTile;
-    for (int64_t r = 0; r < HD / 2; ++r)
-      _mm512_storeu_si512(dst + r * kTile, _mm512_mask_i32gather_epi32(
-                                               _mm512_setzero_si512(), mask, at, rows + 4 * r, 1));
+    for (int64_t r = 0; r < HD / 2; ++r) {
+      const __m512i pairs =
+          _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, at, rows + 4 * r, 1);
+      _mm512_storeu_si512(dst + r * kTile, pairs);
+    }
   }
 }
 
@@ -265,7 +267,8 @@ void attend_block(const Shape& sh, const c10::BFloat16* q, const uint32_t* kt,
     const __m512 inv = _mm512_set1_ps(1.f / w.l[r]);  // key 0 is always visible: l > 0
     c10::BFloat16* o = out + (seg_start + i0 + r) * sh.out_stride + h * HD;
     for (int64_t n = 0; n < HD; n += 16) {
-      const __m256bh b = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(w.o.data() + r * HD + n), inv));
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(w.o.data() + r * HD + n), inv);
+      const __m256bh b = _mm512_cvtneps_pbh(x);
       std::memcpy(o + n, &b, sizeof b);
     }
   }
