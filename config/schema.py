@@ -174,7 +174,7 @@ class WorkerConfig:
                                 "attention for prompt segments, the numerics of HF's bf16 "
                                 "path) or amx (bf16 prompts whose keys are all this step's "
                                 "through kernels/csrc/prefill_attention.cpp on AMX tiles: "
-                                "1.3-5x faster here, closer to float32; where AMX is absent "
+                                "1.4-5.9x faster here, closer to float32; where AMX is absent "
                                 "sdpa runs). README: 'AMX prefill attention'")
     enforce_eager: bool = _f(False, "CUDA: run every step eagerly; false captures decode "
                              "steps as CUDA graphs over a ladder of batch sizes (1, 2, 4, 8, "

@@ -53,12 +53,23 @@ class RaggedAttentionMetadata:
 
 
 @dataclass(slots=True)
+class AmxPrefills:
+    """A step's prefill segments split for the AMX kernel, once per step: the fresh ones
+    (keys all this step's, plain causal) as its int64 starts and lengths, the rest for
+    SDPA."""
+
+    starts: torch.Tensor  # [fresh segments] int64
+    lens: torch.Tensor
+    rest: list[PrefillSegment]
+
+
+@dataclass(slots=True)
 class PagedAttentionPlan:
     """Per-step attention plan, derived once and shared by every layer.
 
     Decodes run either the native kernel (block tables read in place) or the torch
     reference (padded gather indices and mask); prefill segments run SDPA, except that
-    with ``amx_prefill`` the fresh bf16 ones run the AMX prefill kernel.
+    with ``amx`` the fresh ones run the AMX prefill kernel.
     """
 
     num_decodes: int
@@ -70,7 +81,7 @@ class PagedAttentionPlan:
     sliding_window: int | None = None
     ragged: RaggedAttentionMetadata | None = None  # Triton: everything runs in one kernel
     native: bool = False  # the native CPU kernels run this step's attention
-    amx_prefill: bool = False  # native: fresh prompt segments on the AMX kernel
+    amx: AmxPrefills | None = None  # native, amx_prefill: the fresh segments, the rest
 
     def to(self, device: torch.device) -> "PagedAttentionPlan":
         """The reference's tensors moved to ``device`` (the torch backend on a GPU)."""
@@ -81,8 +92,7 @@ class PagedAttentionPlan:
         return PagedAttentionPlan(self.num_decodes, move(self.decode_slots),
                                   move(self.decode_mask), prefills,
                                   move(self.decode_block_tables), move(self.decode_seq_lens),
-                                  self.sliding_window, self.ragged, self.native,
-                                  self.amx_prefill)
+                                  self.sliding_window, self.ragged, self.native, self.amx)
 
 
 def _positions_to_slots(block_table: torch.Tensor, positions: torch.Tensor,
@@ -98,8 +108,9 @@ def make_plan(query_start_loc: list[int], seq_lens: list[int], block_tables: tor
     """Derive the step's plan for a batch ordered decodes first.
 
     ``use_native_decode`` hands decodes to the native CPU kernel, and with
-    ``amx_prefill`` (worker.prefill_attention: amx) fresh bf16 prompt segments to the AMX
-    one (see kernels/cpu_paged_attention.py); the caller checks that they are available.
+    ``amx_prefill`` (worker.prefill_attention: amx) fresh prompt segments to the AMX one
+    (see kernels/cpu_paged_attention.py); the caller checks that they are available and
+    that the kernel's contract holds (bf16, head_dim 64 or 128).
     """
     num_reqs = len(seq_lens)
     query_lens = [query_start_loc[r + 1] - query_start_loc[r] for r in range(num_reqs)]
@@ -136,10 +147,16 @@ def make_plan(query_start_loc: list[int], seq_lens: list[int], block_tables: tor
             if sliding_window is not None:
                 mask &= k_pos > q_pos - sliding_window
         prefills.append(PrefillSegment(start, end, seq_len, key_slots, mask))
+    amx = None
+    fresh = [p for p in prefills if p.key_slots is None and p.mask is None] if (
+        use_native_decode and amx_prefill) else []
+    if fresh:
+        amx = AmxPrefills(torch.tensor([p.start for p in fresh], dtype=torch.int64),
+                          torch.tensor([p.end - p.start for p in fresh], dtype=torch.int64),
+                          [p for p in prefills if p.key_slots is not None or p.mask is not None])
     return PagedAttentionPlan(num_decodes, decode_slots, decode_mask, prefills,
                               decode_tables, decode_lens, sliding_window,
-                              native=use_native_decode,
-                              amx_prefill=use_native_decode and amx_prefill)
+                              native=use_native_decode, amx=amx)
 
 
 def pack_aligned(parts: list, dtype, device: torch.device) -> list[torch.Tensor]:
@@ -281,20 +298,12 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def _native_prefills_into(out, query, key, value, kv_cache, plan, scale) -> torch.Tensor:
-    """The prefill segments on the CPU: with ``plan.amx_prefill``, those whose keys are
-    all this step's (plain causal, a bf16 cache) through the AMX kernel in one call, the
-    rest (continued prompts, masks, other dtypes) through the reference."""
-    from kernels import cpu_paged_attention as native
-    fresh = [s for s in plan.prefills if s.key_slots is None and s.mask is None]
+    """The prefill segments on the CPU: with ``plan.amx``, the fresh ones through the AMX
+    kernel in one call and the rest (continued prompts, masks) through SDPA."""
     head_dim = query.shape[-1]
-    if (not plan.amx_prefill or not fresh or plan.sliding_window is not None
-            or query.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16
-            or head_dim not in (64, 128)
-            or any(t.stride(1) != head_dim or t.stride(2) != 1 for t in (query, key, value))
-            or not native.prefill_attention_available()):
+    if plan.amx is None or any(t.stride(1) != head_dim or t.stride(2) != 1
+                               for t in (query, key, value)):
         return _prefills_into(out, query, key, value, kv_cache, plan, scale)
-    starts = torch.tensor([s.start for s in fresh], dtype=torch.int64)
-    lens = torch.tensor([s.end - s.start for s in fresh], dtype=torch.int64)
-    native.prefill_attention(query, key, value, starts, lens, scale, out)
-    rest = [s for s in plan.prefills if s.key_slots is not None or s.mask is not None]
-    return _prefills_into(out, query, key, value, kv_cache, plan, scale, rest)
+    from kernels import cpu_paged_attention as native
+    native.prefill_attention(query, key, value, plan.amx.starts, plan.amx.lens, scale, out)
+    return _prefills_into(out, query, key, value, kv_cache, plan, scale, plan.amx.rest)

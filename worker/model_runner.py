@@ -1,9 +1,8 @@
 """The model runner: loads the model, owns the KV cache, executes scheduler steps."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 import time
+from dataclasses import replace
 
 import torch
 
@@ -133,11 +132,22 @@ class ModelRunner:
         log.debug("attention backend", backend=name, device=str(self.device),
                   deterministic=self.worker_config.deterministic, **extra)
         backend = make_attention_backend(name, self.device, self.model.shard.num_kv_heads)
-        if self.worker_config.prefill_attention == "amx" and name == NATIVE_CPU:
-            if cpu_paged_attention.prefill_attention_available():
-                backend = replace(backend, amx_prefill=True)
+        if self.worker_config.prefill_attention == "amx":
+            # the kernel's contract, settled once: bf16 activations and cache, head_dim
+            # 64 or 128, no sliding window (whose prompts carry masks anyway)
+            unmet = [why for why, ok in (
+                ("the native CPU attention backend", name == NATIVE_CPU),
+                ("bf16 activations and KV cache",
+                 self.dtype == torch.bfloat16 and self.kv_cache_dtype == torch.bfloat16),
+                ("head_dim 64 or 128", self.arch.head_dim in (64, 128)),
+                ("no sliding window", self.arch.sliding_window is None),
+                ("AMX-BF16 and AVX512-BF16", name == NATIVE_CPU
+                 and cpu_paged_attention.prefill_attention_available())) if not ok]
+            if unmet:
+                log.warning("worker.prefill_attention=amx needs " + ", ".join(unmet)
+                            + ": prompts take sdpa")
             else:
-                log.warning("worker.prefill_attention=amx: no AMX-BF16 here, prompts take sdpa")
+                backend = replace(backend, amx_prefill=True)
         if self.worker_config.deterministic:
             backend = make_deterministic(self.model, backend)
         return backend
