@@ -55,7 +55,7 @@ _SOURCES = [_CSRC / "paged_attention_decode.cpp", _CSRC / "half_linear.cpp",
             _CSRC / "rms_norm.cpp", _CSRC / "quant_linear.cpp", _CSRC / "lora_decode.cpp",
             _CSRC / "decode_layer.cpp", _CSRC / "row_argmax.cpp",
             _CSRC / "silu_and_mul.cpp", _CSRC / "rotary_embedding.cpp",
-            _CSRC / "prefill_attention.cpp"]
+            _CSRC / "prefill_attention.cpp", _CSRC / "amx_linear.cpp"]
 # torch only tracks `sources`: headers are hashed into the name
 _HEADERS = [_CSRC / "amx.h", _CSRC / "cpu_vec.h", _CSRC / "quant_pack.h", _CSRC / "quant_tiles.h",
             _CSRC / "kernel_entries.h", _CSRC / "scratch.h", _CSRC / "rotary.h"]

@@ -1,9 +1,9 @@
 """Kernel choice by measurement: the fastest linear path per weight shape and row count.
 
 At load, every path that can run a layer exactly (worker/models/linear_paths.py: torch
-native, Folio's 16-bit kernel, widening, oneDNN on a prepacked bf16 weight; not the
-quantized kernels' int8 route, which quantizes activations and changed the default
-model's greedy answers) is timed on the model's own weights at each row bucket (1, 4,
+native, Folio's 16-bit and AMX tile kernels, widening, oneDNN on a prepacked bf16
+weight; not the quantized kernels' int8 route, which quantizes activations and changed
+the default model's greedy answers) is timed on the model's own weights at each row bucket (1, 4,
 16, 64, 256 rows), and each layer gets the fastest as its :class:`LinearChoice`.
 Buckets up to 64 rows (decode batches) stream through all of a shape's weights, as a
 decode step does (so the timing includes reading them from memory; timed on one hot
@@ -37,13 +37,14 @@ from observability.logging import get_logger
 from worker.models import prepacked
 from worker.models.linear import Linear
 from worker.models.linear_paths import (MKLDNN, ROW_BUCKETS, LinearChoice, candidates,
-                                        run_path, weight_kind)
+                                        path_max_rows, run_path, weight_kind)
 from worker.models.quant_linear import QuantLinear
 from worker.weight_cache import WeightCache
 
 log = get_logger(__name__)
 
-TABLE_VERSION = 4  # 2: int8 no longer measured (tables of 1 may hold it); 3: mkldnn; 4: int16
+TABLE_VERSION = 5  # 2: int8 no longer measured (tables of 1 may hold it); 3: mkldnn; 4: int16;
+# 5: amx for bf16 weights
 _ROUNDS = 3             # passes per path and bucket, taken in turn; the best counts
 _STREAM_MAX_ROWS = 64   # buckets up to this many rows pass over every weight of a shape
 _GIVE_UP_FACTOR = 4.0   # a path this much slower than the best so far is dropped
@@ -105,10 +106,12 @@ def time_paths(weights: list, paths: tuple[str, ...], dtype: torch.dtype,
     """Seconds per call of each path at each row bucket up to ``max_rows`` (None: gave
     up on it; larger buckets repeat the last), the best of ``_ROUNDS`` passes taken in
     turn, so that a burst of load elsewhere on a shared machine hits every path alike.
-    The path in the lead is never dropped, so every bucket keeps at least one time."""
+    The path in the lead is never dropped, so every bucket keeps at least one time; a
+    path is not timed past its ``path_max_rows``."""
     k = weights[0].shape[1]
     out = {p: [] for p in paths}
     floor = dict.fromkeys(paths, 0.0)  # a path's time only grows with rows
+    limits = {p: path_max_rows(p, weights[0]) for p in paths}
     for rows in ROW_BUCKETS:
         if rows > max_rows:
             for path in paths:
@@ -117,7 +120,7 @@ def time_paths(weights: list, paths: tuple[str, ...], dtype: torch.dtype,
         ws = weights if rows <= _STREAM_MAX_ROWS else weights[:1]
         x = torch.randn(rows, k).to(dtype)
         best = dict.fromkeys(paths, float("inf"))
-        live = list(paths)
+        live = [p for p in paths if limits[p] is None or rows <= limits[p]]
         for round_ in range(_ROUNDS):
             for path in list(live):
                 lead = min(best.values())

@@ -95,6 +95,7 @@ at::Tensor linear(const at::Tensor& x, const OptTensor& w, const OptTensor& scal
                                                   : kQuantWidenRoute);
   }
   if (path == kKernel) return half_linear(x, *w, bias);
+  if (path == kAmx) return amx_linear(x, *w, bias);
   if (path == kWiden)
     return at::linear(x.to(at::kFloat), w->to(at::kFloat),
                       has(bias) ? OptTensor(bias->to(at::kFloat)) : OptTensor())

@@ -16,6 +16,10 @@ namespace folio {
 at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias);
 
+// amx_linear.cpp: x @ weight.T (+ bias) on AMX tiles for a bf16 [N, K] contiguous weight.
+at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight,
+                      const c10::optional<at::Tensor>& bias);
+
 // rms_norm.cpp: (out, new residual); the residual is undefined when none is given.
 std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& weight,
                                             double eps,

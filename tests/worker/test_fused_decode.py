@@ -22,6 +22,7 @@ from worker.input_batch import build_input_batch
 from worker.kv_cache import KVCacheSpec, allocate_kv_cache
 from worker.model_runner import ModelRunner
 from worker.models import prepacked
+from worker.models.linear_paths import amx_linear_takes
 from worker.request_state import CachedRequestState
 
 pytestmark = pytest.mark.skipif(not cpu_extension.is_available(),
@@ -122,13 +123,20 @@ def test_quantized_weights_every_path(models, fmt, backend, dtype):
     assert_same(decode_both_ways(runner))
 
 
-@pytest.mark.parametrize("backend", ["auto", "kernel", "widen", "native", "mkldnn"])
-def test_bf16_weights_every_path(models, backend):
+def skip_unless_runs(backend):
     if backend == "mkldnn" and not prepacked.available():
         pytest.skip("oneDNN bf16 linear unavailable on this CPU")
+    if backend == "amx" and not amx_linear_takes(torch.empty(16, 32, dtype=torch.bfloat16),
+                                                 torch.bfloat16):
+        pytest.skip("the bf16 AMX tile kernel is not built here (no AMX-BF16)")
+
+
+@pytest.mark.parametrize("backend", ["auto", "kernel", "widen", "native", "mkldnn", "amx"])
+def test_bf16_weights_every_path(models, backend):
+    skip_unless_runs(backend)
     runner = runner_for(models["f16"], "bfloat16", backend, quantization="none")
-    if backend == "mkldnn":  # the op takes the oneDNN copies in the scales slots
-        assert runner.model.layers[0].mlp.down_proj.choice.paths[0] == "mkldnn"
+    if backend in ("mkldnn", "amx"):  # mkldnn: the oneDNN copies in the scales slots
+        assert runner.model.layers[0].mlp.down_proj.choice.paths[0] == backend
     assert_same(decode_both_ways(runner))
     assert all(w is None or not w.is_mkldnn for w in runner.model.fused_decode.weights)
 
@@ -150,10 +158,9 @@ def test_an_fp8_kv_cache(models, dtype, kv_dtype):
 
 
 @pytest.mark.parametrize("dtype,backend", [("float32", "auto"), ("bfloat16", "auto"),
-                                           ("bfloat16", "mkldnn")])
+                                           ("bfloat16", "mkldnn"), ("bfloat16", "amx")])
 def test_attention_bias(models, dtype, backend):
-    if backend == "mkldnn" and not prepacked.available():
-        pytest.skip("oneDNN bf16 linear unavailable on this CPU")
+    skip_unless_runs(backend)
     runner = runner_for(models["qwen2"], dtype, backend, quantization="none")
     assert runner.model.layers[0].self_attn.qkv_proj.bias is not None
     assert_same(decode_both_ways(runner))

@@ -16,7 +16,8 @@ fp16) or block-quantized (a ``PackedWeight``, kernels/quant_linear.py):
   CPUs): bf16 activations times the weights turned into bf16 pairs, ``vdpbf16ps``,
   products exact in float32 as in ``widen`` (which it is for other activations);
 * ``amx``: the same on AMX tiles (AMX-BF16 CPUs), 16 rows at a time, for every format
-  (Q8_0's values converted to bf16, exactly);
+  (Q8_0's values converted to bf16, exactly); for a bf16 weight, Folio's tile kernel on
+  the weight as stored (``kernels/csrc/amx_linear.cpp``: no second copy);
 * ``mkldnn``: bf16 weights through oneDNN with the weight reordered once, not per call
   (worker/models/prepacked.py; AVX512-BF16/AMX CPUs), at the price of a second copy of
   the weight.
@@ -41,6 +42,7 @@ may take it.
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -100,6 +102,23 @@ def kernel_takes(weight) -> bool:
             and cpu_extension.is_available())
 
 
+@functools.cache
+def _amx_linear_granted() -> bool:
+    """Whether the extension has the bf16 tile kernel and the tile state (asked once)."""
+    return bool(cpu_extension.require().amx_linear_available())
+
+
+def amx_linear_takes(weight, dtype: torch.dtype | None) -> bool:
+    """Whether the bf16 tile kernel can run ``x @ weight.T``: a contiguous bf16 weight,
+    out a multiple of 16 and in of 32, bf16 activations (``dtype`` None: any), the
+    kernels built with AMX-BF16 and the tile state granted."""
+    return (isinstance(weight, torch.Tensor) and weight.dim() == 2
+            and weight.dtype == torch.bfloat16 and weight.is_contiguous()
+            and weight.device.type == "cpu" and weight.shape[0] % 16 == 0
+            and weight.shape[1] % 32 == 0 and dtype in (None, torch.bfloat16)
+            and cpu_extension.is_available() and _amx_linear_granted())
+
+
 def bf16dot_takes(weight, dtype: torch.dtype | None) -> bool:
     """Whether the bf16 route computes (rather than falls back to widening) for this
     weight and activations of ``dtype`` (None: any)."""
@@ -120,6 +139,19 @@ def int16_takes(weight) -> bool:
             and INT16_ROUTE in routes_available())
 
 
+# Folio's bf16 tile kernel is blocked for decode: one weight group (16 rows) against up
+# to 64 activation rows at a time, nothing larger. At prefill chunks (256-2048 rows)
+# oneDNN's blocked GEMM ran the default model's projections 1.4-1.9x faster on an AMX
+# Xeon, though a single timed call at 256 rows had favoured the tile kernel: the measured
+# choice times it only up to here.
+AMX_LINEAR_MAX_ROWS = 64
+
+
+def path_max_rows(path: str, weight) -> int | None:
+    """The most rows ``path`` is timed, and so chosen, for on ``weight`` (None: any)."""
+    return AMX_LINEAR_MAX_ROWS if path == AMX and isinstance(weight, torch.Tensor) else None
+
+
 def candidates(weight, lossy: bool = True, dtype: torch.dtype | None = None) -> tuple[str, ...]:
     """The paths that can run this weight on this machine (the first is the default);
     ``lossy=False`` leaves out the ``LOSSY`` ones (what the measured choice picks from);
@@ -133,6 +165,7 @@ def candidates(weight, lossy: bool = True, dtype: torch.dtype | None = None) -> 
         return (*exact, INT8, NATIVE) if lossy else (*exact, NATIVE)
     if weight.dtype in HALF_DTYPES:
         paths = (NATIVE, KERNEL, WIDEN) if kernel_takes(weight) else (NATIVE, WIDEN)
+        paths += (AMX,) if amx_linear_takes(weight, dtype) else ()
         # oneDNN on the prepacked weight is the default where it runs: the timing must
         # find another path 10% faster to take it (see linear_backend.py)
         return ((MKLDNN,) + paths) if prepacked.takes(weight, dtype) else paths
@@ -149,9 +182,10 @@ def run_path(path: str, x: torch.Tensor, weight, bias: torch.Tensor | None) -> t
         return quant_linear(x, weight, bias, route)
     if path == MKLDNN:
         return prepacked.linear(x, weight, bias)
-    if path == KERNEL:
+    if path in (KERNEL, AMX):
         ops = cpu_extension.require()
-        out = ops.half_linear(x.reshape(-1, x.shape[-1]), weight, bias)
+        run = ops.half_linear if path == KERNEL else ops.amx_linear
+        out = run(x.reshape(-1, x.shape[-1]), weight, bias)
         return out.reshape(*x.shape[:-1], weight.shape[0])
     if path == WIDEN:
         out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
