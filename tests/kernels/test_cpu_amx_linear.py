@@ -49,7 +49,19 @@ def test_every_row_tiling_matches_the_reference(rows):
     assert_close_to_reference(out, x, w)
 
 
-@pytest.mark.parametrize("k,n", [(32, 16), (576, 960), (1536, 576), (64, 4096)])
+@pytest.mark.parametrize("rows", [33, 48, 64, 65, 70, 130])
+def test_long_k_runs_one_group_a_pass_at_many_rows(rows):
+    # k >= 2048 and more than 32 rows: group_product, its A tile double-buffered (odd
+    # and even numbers of k steps), the last row chunk of 1 to 4 tiles
+    g = torch.Generator().manual_seed(rows)
+    for k in (2048, 2080):
+        x = torch.randn(rows, k, generator=g).bfloat16()
+        w = (torch.randn(48, k, generator=g) * 0.05).bfloat16()
+        b = torch.randn(48, generator=g)
+        assert_close_to_reference(ops.amx_linear(x, w, b), x, w, b)
+
+
+@pytest.mark.parametrize("k,n", [(32, 16), (576, 960), (1536, 576), (64, 4096), (5632, 32)])
 @pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float32])
 def test_model_shapes_with_bias(k, n, bias_dtype):
     g = torch.Generator().manual_seed(k + n)
