@@ -29,6 +29,17 @@ struct alignas(64) TileConfig {
   }
 };
 
+// Loads the configuration with all eight tiles at their full shape, 16 rows of 64 bytes
+// (the kernels that use no smaller tile: prefill_attention.cpp, amx_linear.cpp).
+inline void configure_full_tiles() {
+  static const TileConfig config = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) c.shape(t, 16, 64);
+    return c;
+  }();
+  _tile_loadconfig(&config);
+}
+
 // Linux hands a process the AMX tile state only on request (arch_prctl
 // ARCH_REQ_XCOMP_PERM for XTILEDATA); without it the first tile op is SIGILL. Asked
 // once per process; false where the kernel refuses.

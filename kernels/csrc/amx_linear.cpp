@@ -139,10 +139,10 @@ inline void pair_product(const char* w, int64_t group_bytes, int64_t K, int64_t 
   if constexpr (TWO && MT == 2) _tile_stored(3, buf + 768, 64);
 }
 
-// One weight group against MT (3 or 4) B-tile columns (C tiles 0..MT-1, buf [MT][16 n]
-// [16 m]): for more rows and a long k, where a pair pass would read each group's rows
-// twice (once per 32 rows) and a group's rows no longer sit in L1. The A tile is double
-// buffered (tmm4 / tmm5): k step s + 1's weight rows load while step s's products run.
+// One weight group against MT (1 to 4) B-tile columns (C tiles 0..MT-1, buf [MT][16 n]
+// [16 m]), for a long k: a pair pass streams 32 weight rows at once and, past 32 rows of
+// x, reads each pair twice, from past L1 at that k. The A tile is double-buffered (tmm4 /
+// tmm5): k step s + 1's weight rows load while step s's products run.
 template <int MT>
 inline void group_product(const char* w, int64_t K, int64_t m_tiles, const char* xb,
                           const char* next, int64_t next_bytes, float* buf) {
@@ -152,63 +152,45 @@ inline void group_product(const char* w, int64_t K, int64_t m_tiles, const char*
   if constexpr (MT == 4) _tile_zero(3);
   const int64_t stride = K * 2, k_steps = K / kKStep;
   const int64_t slice = next_bytes / k_steps;
-  // (the tile intrinsics take literal register numbers: the two halves are spelled out)
   const auto b_tiles = [&](int64_t kc) { return xb + kc * m_tiles * kTileBytes; };
   const auto request = [&](int64_t kc) {
     if (next != nullptr)
       for (int64_t l = 0; l < slice; l += 64) _mm_prefetch(next + kc * slice + l, _MM_HINT_T2);
   };
+// Step kc's products with the A tile in register A (a literal: the tile intrinsics
+// paste register numbers into their instructions), the B tiles at b.
+#define FOLIO_GROUP_STEP(A)                  \
+  _tile_loadd(6, b, 64);                     \
+  _tile_dpbf16ps(0, A, 6);                   \
+  if constexpr (MT >= 2) {                   \
+    _tile_loadd(7, b + kTileBytes, 64);      \
+    _tile_dpbf16ps(1, A, 7);                 \
+  }                                          \
+  if constexpr (MT >= 3) {                   \
+    _tile_loadd(6, b + 2 * kTileBytes, 64);  \
+    _tile_dpbf16ps(2, A, 6);                 \
+  }                                          \
+  if constexpr (MT == 4) {                   \
+    _tile_loadd(7, b + 3 * kTileBytes, 64);  \
+    _tile_dpbf16ps(3, A, 7);                 \
+  }
   _tile_loadd(4, w, stride);
   for (int64_t kc = 0; kc < k_steps; kc += 2) {
     request(kc);
     if (kc + 1 < k_steps) _tile_loadd(5, w + (kc + 1) * 64, stride);
     const char* b = b_tiles(kc);
-    _tile_loadd(6, b, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    if constexpr (MT >= 2) {
-      _tile_loadd(7, b + kTileBytes, 64);
-      _tile_dpbf16ps(1, 4, 7);
-    }
-    if constexpr (MT >= 3) {
-      _tile_loadd(6, b + 2 * kTileBytes, 64);
-      _tile_dpbf16ps(2, 4, 6);
-    }
-    if constexpr (MT == 4) {
-      _tile_loadd(7, b + 3 * kTileBytes, 64);
-      _tile_dpbf16ps(3, 4, 7);
-    }
+    FOLIO_GROUP_STEP(4)
     if (kc + 1 == k_steps) break;
     request(kc + 1);
     if (kc + 2 < k_steps) _tile_loadd(4, w + (kc + 2) * 64, stride);
     b = b_tiles(kc + 1);
-    _tile_loadd(6, b, 64);
-    _tile_dpbf16ps(0, 5, 6);
-    if constexpr (MT >= 2) {
-      _tile_loadd(7, b + kTileBytes, 64);
-      _tile_dpbf16ps(1, 5, 7);
-    }
-    if constexpr (MT >= 3) {
-      _tile_loadd(6, b + 2 * kTileBytes, 64);
-      _tile_dpbf16ps(2, 5, 6);
-    }
-    if constexpr (MT == 4) {
-      _tile_loadd(7, b + 3 * kTileBytes, 64);
-      _tile_dpbf16ps(3, 5, 7);
-    }
+    FOLIO_GROUP_STEP(5)
   }
+#undef FOLIO_GROUP_STEP
   _tile_stored(0, buf, 64);
   if constexpr (MT >= 2) _tile_stored(1, buf + 256, 64);
   if constexpr (MT >= 3) _tile_stored(2, buf + 512, 64);
   if constexpr (MT == 4) _tile_stored(3, buf + 768, 64);
-}
-
-void configure_tiles() {
-  static const TileConfig config = [] {
-    TileConfig c;
-    for (int t = 0; t < 8; ++t) c.shape(t, 16, 64);
-    return c;
-  }();
-  _tile_loadconfig(&config);
 }
 
 // One y^T block (buf: [16 n][16 m] floats) into out's rows row0.. (at most `rows`),
@@ -240,7 +222,7 @@ void run(const c10::BFloat16* x, const c10::BFloat16* weight, const float* bias,
   const int64_t group_bytes = kGroup * K * 2;
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), groups);
   at::parallel_for(0, workers, 1, [&](int64_t t0, int64_t t1) {
-    configure_tiles();
+    configure_full_tiles();
     alignas(64) float buf[4 * 256];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t g0 = groups * t / workers, g1 = groups * (t + 1) / workers;

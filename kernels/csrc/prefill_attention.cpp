@@ -58,15 +58,6 @@ constexpr int64_t kBlock = 32;  // keys per P/V tile pair
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-void configure_tiles() {
-  static const TileConfig config = [] {
-    TileConfig c;
-    for (int t = 0; t < 8; ++t) c.shape(t, 16, 64);
-    return c;
-  }();
-  _tile_loadconfig(&config);
-}
-
 // kt of one segment's kv head (`k` at its first token): see the top of the file.
 template <int64_t HD>
 void pack_keys(const c10::BFloat16* k, int64_t k_stride, int64_t len, uint32_t* kt) {
@@ -312,7 +303,7 @@ void run(const Shape& sh, const c10::BFloat16* q, const c10::BFloat16* k,
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    configure_tiles();
+    configure_full_tiles();
     Work w(max_len, HD);
     for (int64_t it = next.fetch_add(1); it < num_items; it = next.fetch_add(1)) {
       const Item& x = items[it];
