@@ -148,12 +148,14 @@ def make_plan(query_start_loc: list[int], seq_lens: list[int], block_tables: tor
                 mask &= k_pos > q_pos - sliding_window
         prefills.append(PrefillSegment(start, end, seq_len, key_slots, mask))
     amx = None
-    fresh = [p for p in prefills if p.key_slots is None and p.mask is None] if (
-        use_native_decode and amx_prefill) else []
-    if fresh:
-        amx = AmxPrefills(torch.tensor([p.start for p in fresh], dtype=torch.int64),
-                          torch.tensor([p.end - p.start for p in fresh], dtype=torch.int64),
-                          [p for p in prefills if p.key_slots is not None or p.mask is not None])
+    if use_native_decode and amx_prefill:
+        fresh, rest = [], []  # keys all this step's and plain causal, or not
+        for p in prefills:
+            (fresh if p.key_slots is None and p.mask is None else rest).append(p)
+        if fresh:
+            amx = AmxPrefills(torch.tensor([p.start for p in fresh], dtype=torch.int64),
+                              torch.tensor([p.end - p.start for p in fresh], dtype=torch.int64),
+                              rest)
     return PagedAttentionPlan(num_decodes, decode_slots, decode_mask, prefills,
                               decode_tables, decode_lens, sliding_window,
                               native=use_native_decode, amx=amx)

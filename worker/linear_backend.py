@@ -3,8 +3,9 @@
 At load, every path that can run a layer exactly (worker/models/linear_paths.py: torch
 native, Folio's 16-bit and AMX tile kernels, widening, oneDNN on a prepacked bf16
 weight; not the quantized kernels' int8 route, which quantizes activations and changed
-the default model's greedy answers) is timed on the model's own weights at each row bucket (1, 4,
-16, 64, 256 rows), and each layer gets the fastest as its :class:`LinearChoice`.
+the default model's greedy answers) is timed on the model's own weights at each row
+bucket (1, 4, 16, 64, 256 rows), and each layer gets the fastest as its
+:class:`LinearChoice`.
 Buckets up to 64 rows (decode batches) stream through all of a shape's weights, as a
 decode step does (so the timing includes reading them from memory; timed on one hot
 weight, the 64-row bucket had preferred a path that was slower in real steps); the
@@ -43,8 +44,9 @@ from worker.weight_cache import WeightCache
 
 log = get_logger(__name__)
 
-TABLE_VERSION = 5  # 2: int8 no longer measured (tables of 1 may hold it); 3: mkldnn; 4: int16;
-# 5: amx for bf16 weights
+# 2: int8 no longer measured (tables of 1 may hold it); 3: mkldnn; 4: int16; 5: amx for
+# bf16 weights
+TABLE_VERSION = 5
 _ROUNDS = 3             # passes per path and bucket, taken in turn; the best counts
 _STREAM_MAX_ROWS = 64   # buckets up to this many rows pass over every weight of a shape
 _GIVE_UP_FACTOR = 4.0   # a path this much slower than the best so far is dropped

@@ -208,6 +208,74 @@ inline void store_block(const float* buf, const float* bias, int64_t n0, int64_t
   }
 }
 
+// Where one thread's passes read and write: x's B tiles, the weight, bias, y.
+struct Operands {
+  const char* xb;  // B tiles of x, [K / 32][m_tiles][1 KB]
+  const char* w;   // weight rows, group after group
+  const float* bias;
+  uint16_t* out;
+  int64_t M, N, K, m_tiles;
+  int64_t group_bytes() const { return kGroup * K * 2; }
+};
+
+// Groups [g0, g1) one at a time, up to 64 rows of x a pass (long k).
+void run_groups(const Operands& op, int64_t g0, int64_t g1, float* buf) {
+  const int64_t group_bytes = op.group_bytes();
+  for (int64_t g = g0; g < g1; ++g) {
+    const char* w = op.w + g * group_bytes;
+    const int64_t next_bytes = g + 1 < g1 ? group_bytes : 0;
+    for (int64_t m0 = 0; m0 < op.m_tiles; m0 += 4) {
+      const int64_t mt = std::min<int64_t>(4, op.m_tiles - m0);
+      const char* xb = op.xb + m0 * kTileBytes;
+      const char* next = (m0 == 0 && next_bytes > 0) ? w + group_bytes : nullptr;
+      if (mt == 4)
+        group_product<4>(w, op.K, op.m_tiles, xb, next, next_bytes, buf);
+      else if (mt == 3)
+        group_product<3>(w, op.K, op.m_tiles, xb, next, next_bytes, buf);
+      else if (mt == 2)
+        group_product<2>(w, op.K, op.m_tiles, xb, next, next_bytes, buf);
+      else
+        group_product<1>(w, op.K, op.m_tiles, xb, next, next_bytes, buf);
+      for (int64_t i = 0; i < mt; ++i) {
+        const int64_t row0 = (m0 + i) * 16;
+        store_block(buf + i * 256, op.bias, g * kGroup, row0,
+                    std::min<int64_t>(16, op.M - row0), op.N, op.out);
+      }
+    }
+  }
+}
+
+// Groups [g0, g1) two at a time, 32 rows of x a pass.
+void run_pairs(const Operands& op, int64_t g0, int64_t g1, float* buf) {
+  const int64_t group_bytes = op.group_bytes();
+  for (int64_t g = g0; g < g1; g += 2) {
+    const bool two = g + 1 < g1;
+    const char* w = op.w + g * group_bytes;
+    const int64_t next_bytes =
+        std::min<int64_t>(2, std::max<int64_t>(0, g1 - g - 2)) * group_bytes;
+    for (int64_t m0 = 0; m0 < op.m_tiles; m0 += 2) {
+      const int64_t mt = std::min<int64_t>(2, op.m_tiles - m0);
+      const char* xb = op.xb + m0 * kTileBytes;
+      // the next pair is requested while the first rows meet this one
+      const char* next = (m0 == 0 && next_bytes > 0) ? w + 2 * group_bytes : nullptr;
+      if (mt == 2 && two)
+        pair_product<2, true>(w, group_bytes, op.K, op.m_tiles, xb, next, next_bytes, buf);
+      else if (mt == 2)
+        pair_product<2, false>(w, group_bytes, op.K, op.m_tiles, xb, next, next_bytes, buf);
+      else if (two)
+        pair_product<1, true>(w, group_bytes, op.K, op.m_tiles, xb, next, next_bytes, buf);
+      else
+        pair_product<1, false>(w, group_bytes, op.K, op.m_tiles, xb, next, next_bytes, buf);
+      for (int gi = 0; gi < (two ? 2 : 1); ++gi)
+        for (int64_t i = 0; i < mt; ++i) {
+          const int64_t row0 = (m0 + i) * 16;
+          store_block(buf + (gi * 2 + i) * 256, op.bias, (g + gi) * kGroup, row0,
+                      std::min<int64_t>(16, op.M - row0), op.N, op.out);
+        }
+    }
+  }
+}
+
 void run(const c10::BFloat16* x, const c10::BFloat16* weight, const float* bias, int64_t M,
          int64_t N, int64_t K, c10::BFloat16* out) {
   const int64_t m_tiles = (M + 15) / 16, groups = N / kGroup;
@@ -216,67 +284,18 @@ void run(const c10::BFloat16* x, const c10::BFloat16* weight, const float* bias,
   auto* xp = reinterpret_cast<uint32_t*>(
       (reinterpret_cast<uintptr_t>(packed.data_ptr()) + 63) & ~uintptr_t(63));
   pack_rows(x, M, K, m_tiles, xp);
-  const auto* wb = reinterpret_cast<const char*>(weight);
-  const auto* xb0 = reinterpret_cast<const char*>(xp);
-  auto* o = reinterpret_cast<uint16_t*>(out);
-  const int64_t group_bytes = kGroup * K * 2;
+  const Operands op{reinterpret_cast<const char*>(xp), reinterpret_cast<const char*>(weight),
+                    bias, reinterpret_cast<uint16_t*>(out), M, N, K, m_tiles};
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), groups);
   at::parallel_for(0, workers, 1, [&](int64_t t0, int64_t t1) {
     configure_full_tiles();
     alignas(64) float buf[4 * 256];
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t g0 = groups * t / workers, g1 = groups * (t + 1) / workers;
-      if (K >= kGroupPassMinK) {  // one group at a time, up to 64 rows a pass
-        for (int64_t g = g0; g < g1; ++g) {
-          const char* w = wb + g * group_bytes;
-          const int64_t next_bytes = g + 1 < g1 ? group_bytes : 0;
-          for (int64_t m0 = 0; m0 < m_tiles; m0 += 4) {
-            const int64_t mt = std::min<int64_t>(4, m_tiles - m0);
-            const char* xb = xb0 + m0 * kTileBytes;
-            const char* next = (m0 == 0 && next_bytes > 0) ? w + group_bytes : nullptr;
-            if (mt == 4)
-              group_product<4>(w, K, m_tiles, xb, next, next_bytes, buf);
-            else if (mt == 3)
-              group_product<3>(w, K, m_tiles, xb, next, next_bytes, buf);
-            else if (mt == 2)
-              group_product<2>(w, K, m_tiles, xb, next, next_bytes, buf);
-            else
-              group_product<1>(w, K, m_tiles, xb, next, next_bytes, buf);
-            for (int64_t i = 0; i < mt; ++i) {
-              const int64_t row0 = (m0 + i) * 16;
-              store_block(buf + i * 256, bias, g * kGroup, row0, std::min<int64_t>(16, M - row0),
-                          N, o);
-            }
-          }
-        }
-        continue;
-      }
-      for (int64_t g = g0; g < g1; g += 2) {  // a pair of groups, all of x's rows
-        const bool two = g + 1 < g1;
-        const char* w = wb + g * group_bytes;
-        const int64_t next_bytes = std::min<int64_t>(2, std::max<int64_t>(0, g1 - g - 2)) *
-                                   group_bytes;
-        for (int64_t m0 = 0; m0 < m_tiles; m0 += 2) {
-          const int64_t mt = std::min<int64_t>(2, m_tiles - m0);
-          const char* xb = xb0 + m0 * kTileBytes;
-          // the next pair is requested while the first rows meet this one
-          const char* next = (m0 == 0 && next_bytes > 0) ? w + 2 * group_bytes : nullptr;
-          if (mt == 2 && two)
-            pair_product<2, true>(w, group_bytes, K, m_tiles, xb, next, next_bytes, buf);
-          else if (mt == 2)
-            pair_product<2, false>(w, group_bytes, K, m_tiles, xb, next, next_bytes, buf);
-          else if (two)
-            pair_product<1, true>(w, group_bytes, K, m_tiles, xb, next, next_bytes, buf);
-          else
-            pair_product<1, false>(w, group_bytes, K, m_tiles, xb, next, next_bytes, buf);
-          for (int gi = 0; gi < (two ? 2 : 1); ++gi)
-            for (int64_t i = 0; i < mt; ++i) {
-              const int64_t row0 = (m0 + i) * 16;
-              store_block(buf + (gi * 2 + i) * 256, bias, (g + gi) * kGroup, row0,
-                          std::min<int64_t>(16, M - row0), N, o);
-            }
-        }
-      }
+      if (K >= kGroupPassMinK)
+        run_groups(op, g0, g1, buf);
+      else
+        run_pairs(op, g0, g1, buf);
     }
   });
 }
