@@ -13,8 +13,10 @@ def llms(tiny_llama_dir, default_model_path):
     kw = dict(model=str(tiny_llama_dir), tokenizer=str(default_model_path), dtype="float32",
               max_model_len=256, num_blocks=128, block_size=16,
               **{"observability.log_level": "warning"})
+    # max_run_ms null: the runs are held to num_scheduler_steps only, not to the learned
+    # step cost, so how many steps a run gets does not depend on how loaded the machine is
     return (LLM(**kw, **{"scheduler.num_scheduler_steps": 1}),
-            LLM(**kw, **{"scheduler.num_scheduler_steps": 5}))
+            LLM(**kw, **{"scheduler.num_scheduler_steps": 5, "scheduler.max_run_ms": None}))
 
 
 def summary(outputs):
