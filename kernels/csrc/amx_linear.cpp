@@ -17,10 +17,12 @@
 //   tmm5): 16 weight rows stream instead of 32. The C tiles are then transposed, the
 //   bias added in float32, and each output rounded once to bf16.
 //
-// Decode steps (a few to 64 rows) are bound by reading the weight, which streams as 32
-// rows side by side; the next pair's rows are requested into the L2 (prefetcht2) while
-// this pair's products run. On an AMX Xeon that read the default model's projections at
-// 15-40 GB/s where oneDNN's prepacked kernel read 13-22 (README, "AMX bf16 linear").
+// Decode steps (a few to 64 rows) are bound by reading the weight. In the pair pass it
+// streams as 32 rows side by side and the next pair's rows are requested into the L2
+// (prefetcht2) while this pair's products run; the group pass's 16 rows are left to the
+// hardware prefetchers, which follow them better alone. On an AMX Xeon that read the
+// default model's projections at 15-40 GB/s and the 1B model's at 23-30, where oneDNN's
+// prepacked kernel read 13-22 and 15-26 (README, "AMX bf16 linear").
 // Prefill row counts have no cache blocking beyond a pair of groups, and oneDNN's GEMM
 // is faster there: the measured choice (worker/linear_backend.py) times this kernel up
 // to 64 rows only.
@@ -142,21 +144,19 @@ inline void pair_product(const char* w, int64_t group_bytes, int64_t K, int64_t 
 // One weight group against MT (1 to 4) B-tile columns (C tiles 0..MT-1, buf [MT][16 n]
 // [16 m]), for a long k: a pair pass streams 32 weight rows at once and, past 32 rows of
 // x, reads each pair twice, from past L1 at that k. The A tile is double-buffered (tmm4 /
-// tmm5): k step s + 1's weight rows load while step s's products run.
+// tmm5): k step s + 1's weight rows load while step s's products run. Nothing is
+// prefetched: the 16 rows stream in order, which the L2's own streamer follows, and
+// software prefetches of the next group (as in the pair pass) made the 1B model's
+// projections read at 16-23 GB/s where without them they read 23-30 (README).
 template <int MT>
 inline void group_product(const char* w, int64_t K, int64_t m_tiles, const char* xb,
-                          const char* next, int64_t next_bytes, float* buf) {
+                          float* buf) {
   _tile_zero(0);
   if constexpr (MT >= 2) _tile_zero(1);
   if constexpr (MT >= 3) _tile_zero(2);
   if constexpr (MT == 4) _tile_zero(3);
   const int64_t stride = K * 2, k_steps = K / kKStep;
-  const int64_t slice = next_bytes / k_steps;
   const auto b_tiles = [&](int64_t kc) { return xb + kc * m_tiles * kTileBytes; };
-  const auto request = [&](int64_t kc) {
-    if (next != nullptr)
-      for (int64_t l = 0; l < slice; l += 64) _mm_prefetch(next + kc * slice + l, _MM_HINT_T2);
-  };
 // Step kc's products with the A tile in register A (a literal: the tile intrinsics
 // paste register numbers into their instructions), the B tiles at b.
 #define FOLIO_GROUP_STEP(A)                  \
@@ -176,12 +176,10 @@ inline void group_product(const char* w, int64_t K, int64_t m_tiles, const char*
   }
   _tile_loadd(4, w, stride);
   for (int64_t kc = 0; kc < k_steps; kc += 2) {
-    request(kc);
     if (kc + 1 < k_steps) _tile_loadd(5, w + (kc + 1) * 64, stride);
     const char* b = b_tiles(kc);
     FOLIO_GROUP_STEP(4)
     if (kc + 1 == k_steps) break;
-    request(kc + 1);
     if (kc + 2 < k_steps) _tile_loadd(4, w + (kc + 2) * 64, stride);
     b = b_tiles(kc + 1);
     FOLIO_GROUP_STEP(5)
@@ -223,19 +221,17 @@ void run_groups(const Operands& op, int64_t g0, int64_t g1, float* buf) {
   const int64_t group_bytes = op.group_bytes();
   for (int64_t g = g0; g < g1; ++g) {
     const char* w = op.w + g * group_bytes;
-    const int64_t next_bytes = g + 1 < g1 ? group_bytes : 0;
     for (int64_t m0 = 0; m0 < op.m_tiles; m0 += 4) {
       const int64_t mt = std::min<int64_t>(4, op.m_tiles - m0);
       const char* xb = op.xb + m0 * kTileBytes;
-      const char* next = (m0 == 0 && next_bytes > 0) ? w + group_bytes : nullptr;
       if (mt == 4)
-        group_product<4>(w, op.K, op.m_tiles, xb, next, next_bytes, buf);
+        group_product<4>(w, op.K, op.m_tiles, xb, buf);
       else if (mt == 3)
-        group_product<3>(w, op.K, op.m_tiles, xb, next, next_bytes, buf);
+        group_product<3>(w, op.K, op.m_tiles, xb, buf);
       else if (mt == 2)
-        group_product<2>(w, op.K, op.m_tiles, xb, next, next_bytes, buf);
+        group_product<2>(w, op.K, op.m_tiles, xb, buf);
       else
-        group_product<1>(w, op.K, op.m_tiles, xb, next, next_bytes, buf);
+        group_product<1>(w, op.K, op.m_tiles, xb, buf);
       for (int64_t i = 0; i < mt; ++i) {
         const int64_t row0 = (m0 + i) * 16;
         store_block(buf + i * 256, op.bias, g * kGroup, row0,
