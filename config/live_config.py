@@ -42,7 +42,8 @@ API_LIVE = ("api_keys", "public_metrics", "public_health_detail", "max_n",
             "max_batch_prompts", "max_stop_strings", "max_logprobs", "tenant_weights",
             "header_timeout_s", "body_timeout_s", "max_connections",
             "max_buffered_body_bytes", "max_stop_string_chars", "max_stop_token_ids",
-            "tenant_body_bytes_per_s", "tenant_body_burst_bytes", "max_json_values",
+            "tenant_body_bytes_per_s", "tenant_body_burst_bytes",
+            "tenant_body_max_wait_s", "max_json_values",
             "max_grammar_chars", "grammar_compile_timeout_s")
 SPECULATIVE_LIVE = ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
                     "disable_by_batch_size", "enable_adaptive")

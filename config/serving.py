@@ -99,10 +99,17 @@ class APIConfig:
     max_stop_string_chars: int = _f(1024, "longest stop string in characters")
     max_stop_token_ids: int = _f(256, "most stop_token_ids per request (at most the vocab)")
     tenant_body_bytes_per_s: int = _f(16 * 1024 * 1024, "request-body bytes a second one "
-                                      "tenant (API key) may send per API process; 429 + "
-                                      "Retry-After beyond; 0: no limit")
+                                      "tenant (API key) may send per API process; beyond, "
+                                      "a body is held unread for up to "
+                                      "tenant_body_max_wait_s, then 429 + Retry-After; 0: "
+                                      "no limit")
     tenant_body_burst_bytes: int = _f(16 * 1024 * 1024, "request-body bytes one tenant may "
                                       "send at once; at least max_body_bytes")
+    tenant_body_max_wait_s: float = _f(5.0, "seconds a body over its tenant's rate may be "
+                                       "held unread until the rate covers it (the client "
+                                       "slows to the rate), at most half of "
+                                       "body_timeout_s; a longer wait gets 429 at once; "
+                                       "0: always 429")
     max_json_values: int = _f(262144, "most values (list items, object members) in one "
                               "JSON body, refused before parsing (400 beyond)")
     num_tokenizer_threads: int = _f(2, "threads per API process that tokenize and render "
@@ -114,6 +121,12 @@ class APIConfig:
                                 f"at most {ENGINE_MAX_GRAMMAR_CHARS}")
     grammar_compile_timeout_s: float = _f(2.0, "seconds a request's grammar may take to "
                                           "compile in the API process (400 beyond)")
+
+    @property
+    def body_hold_s(self) -> float:
+        """How long a body over its tenant's rate may be held: a held body's wait counts
+        towards its read time (body_timeout_s), so at most half of that."""
+        return min(self.tenant_body_max_wait_s, self.body_timeout_s / 2)
 
     def __post_init__(self):
         _check(all(k and k == k.strip() and "," not in k for k in self.api_keys),
@@ -143,6 +156,8 @@ class APIConfig:
                or self.tenant_body_burst_bytes >= self.max_body_bytes,
                "api.tenant_body_burst_bytes", "must be at least api.max_body_bytes (else "
                "the largest allowed body could never be sent)")
+        _check(self.tenant_body_max_wait_s >= 0, "api.tenant_body_max_wait_s",
+               "must be >= 0")
         _check(self.max_json_values >= 1024, "api.max_json_values", "must be at least 1024")
         _check(1 <= self.max_grammar_chars <= ENGINE_MAX_GRAMMAR_CHARS,
                "api.max_grammar_chars", f"must be in 1..{ENGINE_MAX_GRAMMAR_CHARS}")

@@ -67,7 +67,8 @@ class APIServer:
         self.admission = Admission(engine)
         self.body_budget = BodyBudget(self.api.max_buffered_body_bytes)
         self.body_rate = BodyRate(self.api.tenant_body_bytes_per_s,
-                                  self.api.tenant_body_burst_bytes)
+                                  self.api.tenant_body_burst_bytes,
+                                  self.api.body_hold_s)
         self.connections = ConnectionGuard(self.api)
         self.api_metrics = APIMetrics(self.connections, self.body_budget)
         self.tokens = TokenizerPool(tokenizer, self.api.num_tokenizer_threads,
@@ -117,8 +118,11 @@ class APIServer:
 
     async def _body(self, request) -> dict:
         tenant = request.get(TENANT)
-        check_declared_size(request, self.api.max_body_bytes)  # 413 before 429
-        self.body_rate.take(tenant, request.content_length or 0)
+        declared = request.content_length or 0
+        if declared > self.api.max_body_bytes:  # 413, not 429, once the rate covers it
+            await self.body_rate.charge_refused(tenant, declared)
+        check_declared_size(request, self.api.max_body_bytes)
+        await self.body_rate.admit(tenant, declared)
         with self.body_budget.reservation() as reservation:
             raw = await read_body(request, self.api.max_body_bytes, reservation)
             if request.content_length is None:  # chunked: charged once its size is known

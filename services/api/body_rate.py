@@ -9,17 +9,29 @@ API key; without keys, one for everybody) bounds that:
     capacity   ``api.tenant_body_burst_bytes``: what a tenant may send at once
     refill     ``api.tenant_body_bytes_per_s``; 0 turns the bucket off
 
-A body whose Content-Length the bucket cannot cover now gets 429 + ``Retry-After`` (the
-seconds until it could) before a byte is read; a chunked body is charged what it
-turned out to be once read, so its tenant may go into debt and wait longer next time.
-Buckets are per API process: with ``services.num_api_servers`` processes a tenant may
-send that many times the rate.
+    wait       ``api.tenant_body_max_wait_s``: how long a body may be held back
+
+A body whose Content-Length the bucket cannot cover now, but will within the wait, is
+charged at once (the bucket goes into debt, so later bodies queue behind it) and held,
+unread, until the bucket has refilled: its request is answered late, not refused. A
+client that sends bodies back to back therefore slows to the rate: its unread bytes fill
+the socket's buffers, and its sends stall. Answered 429 at once instead, it sent the next
+body at once, and on a 2-core machine that client's own loop (building and sending 4 MB
+bodies) took the CPU the server needed (README, "Hostile clients"). A body the bucket cannot cover within the wait
+gets 429 + ``Retry-After`` (the seconds until it could) before a byte is read, and
+nothing is charged. A body refused for its declared size (413) is charged what it
+declared, its answer held the same way: aiohttp drains a refused body to keep the
+connection, so a client re-sending one would otherwise cost the loop its bytes at no
+rate at all. A chunked body is charged what it turned out to be once read, so its
+tenant may go into debt and wait longer next time. Buckets are per API process: with
+``services.num_api_servers`` processes a tenant may send that many times the rate.
 """
 from __future__ import annotations
 
+import asyncio
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from services.api.openai_protocol import APIError
 
@@ -34,31 +46,58 @@ def rate_limited(retry_after_s: float) -> APIError:
 class BodyRate:
     """Per-tenant token buckets over request-body bytes."""
 
-    def __init__(self, bytes_per_s: int, burst_bytes: int,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, bytes_per_s: int, burst_bytes: int, max_wait_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep):
         self.bytes_per_s = bytes_per_s
         self.burst_bytes = burst_bytes
+        self.max_wait_s = max_wait_s
         self.clock = clock
+        self.sleep = sleep
         self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (level, at)
-        self.num_refused = 0
+        self.num_refused = 0  # answered 429
+        self.num_held = 0  # held back until the bucket covered them
 
     def _level(self, tenant: str, now: float) -> float:
         level, at = self._buckets.get(tenant, (self.burst_bytes, now))
         return min(self.burst_bytes, level + (now - at) * self.bytes_per_s)
 
-    def take(self, tenant: str | None, num_bytes: int, may_borrow: bool = False) -> None:
-        """Charge ``num_bytes`` to the tenant; 429 (nothing charged) when its bucket
-        cannot cover them, unless ``may_borrow`` (a body already read)."""
+    async def admit(self, tenant: str | None, num_bytes: int) -> None:
+        """Charge a body's ``num_bytes`` before it is read, returning once the bucket
+        covers them: at once, or after a wait of at most ``max_wait_s``; 429 (nothing
+        charged) when even that would not do."""
+        await self._hold(self.take(tenant, num_bytes, max_wait_s=self.max_wait_s))
+
+    async def charge_refused(self, tenant: str | None, num_bytes: int) -> None:
+        """A body refused for its declared size still costs its tenant those bytes (at
+        most one burst's worth: a size it never sends cannot lock it out for long), and
+        its answer waits as a held body would, at most ``max_wait_s``. A client that
+        keeps sending it, unread but lingering-drained, slows to the rate too."""
+        wait = self.take(tenant, min(num_bytes, self.burst_bytes), may_borrow=True)
+        await self._hold(min(wait, self.max_wait_s))
+
+    async def _hold(self, wait: float) -> None:
+        if wait > 0:
+            self.num_held += 1
+            await self.sleep(wait)
+
+    def take(self, tenant: str | None, num_bytes: int, may_borrow: bool = False,
+             max_wait_s: float = 0.0) -> float:
+        """Charge ``num_bytes`` to the tenant and return the seconds until its bucket
+        covers them (0: now); 429 (nothing charged) when that is more than
+        ``max_wait_s``, unless ``may_borrow`` (the bytes came or were refused anyway)."""
         if self.bytes_per_s <= 0 or num_bytes <= 0:
-            return
+            return 0.0
         key, now = tenant or "", self.clock()
         level = self._level(key, now)
-        if level < num_bytes and not may_borrow:
+        wait = max(0.0, (num_bytes - level) / self.bytes_per_s)
+        if wait > max_wait_s and not may_borrow:
             self.num_refused += 1
-            raise rate_limited((num_bytes - level) / self.bytes_per_s)
+            raise rate_limited(wait)
         self._buckets[key] = (level - num_bytes, now)
         if len(self._buckets) > 100_000:  # tenants are API keys: a few; stay bounded
             self._forget_full(now)
+        return wait
 
     def _forget_full(self, now: float) -> None:
         for key in [k for k in self._buckets if self._level(k, now) >= self.burst_bytes]:

@@ -1,5 +1,6 @@
 """Issue 14: one tenant's stream of 4 MB bodies cannot keep the API's event loop for
-itself; past its body-byte rate it gets 429 + Retry-After before a byte is read, and
+itself; past its body-byte rate a body is held unread until the rate covers it (up to
+api.tenant_body_max_wait_s), or else gets 429 + Retry-After before a byte is read, and
 another tenant is served as before."""
 import asyncio
 import json
@@ -36,13 +37,62 @@ def test_bucket_refills_at_its_rate_and_refuses_what_it_cannot_cover():
     with pytest.raises(APIError) as refused:
         rate.take("a", 2500)
     assert refused.value.headers["Retry-After"] == "3"  # 2500 bytes at 1000/s
-    rate.take("a", 2500, may_borrow=True)  # a chunked body already read: debt
+    assert rate.take("a", 2500, may_borrow=True) == 2.5  # a chunked body already read: debt
     clock.now = 3.0
     with pytest.raises(APIError):
         rate.take("a", 100)  # still repaying
     clock.now = 10.0
     rate.take("a", 3000)  # full again, never above the burst
     assert rate.num_refused == 3
+
+
+def test_a_body_the_rate_covers_within_the_wait_is_held_and_later_ones_queue_behind_it():
+    clock, slept = Clock(), []
+
+    async def sleep(seconds):
+        slept.append(seconds)
+        clock.now += seconds
+
+    rate = BodyRate(bytes_per_s=1000, burst_bytes=3000, max_wait_s=2.0, clock=clock,
+                    sleep=sleep)
+
+    async def main():
+        await rate.admit("a", 3000)  # the burst: no wait
+        assert slept == []
+        await rate.admit("a", 1500)  # 1.5 s until the bucket covers it
+        assert slept == [1.5] and clock.now == 1.5
+        clock.now = 1.5
+        rate.take("a", 1000, max_wait_s=2.0)  # charged now, due at 2.5 s: the queue
+        with pytest.raises(APIError) as refused:
+            await rate.admit("a", 1200)  # would be due at 3.7 s: past the wait
+        assert refused.value.status == 429 and refused.value.headers["Retry-After"] == "3"
+        await rate.admit("b", 3000)  # another tenant's bucket is full
+        assert slept == [1.5]
+        clock.now = 2.5
+        await rate.admit("a", 1000)  # the queue drained at 2.5 s: due at 3.5 s
+        assert slept == [1.5, 1.0]
+    asyncio.run(main())
+    assert (rate.num_held, rate.num_refused) == (2, 1)
+
+
+def test_a_body_refused_for_its_size_costs_its_tenant_what_it_declared():
+    clock, slept = Clock(), []
+
+    async def sleep(seconds):
+        slept.append(seconds)
+
+    rate = BodyRate(bytes_per_s=1000, burst_bytes=3000, max_wait_s=2.0, clock=clock,
+                    sleep=sleep)
+
+    async def main():
+        await rate.charge_refused("a", 2000)  # within the burst: answered at once
+        await rate.charge_refused("a", 10**9)  # charged one burst, held at most 2 s
+        assert slept == [2.0]
+        with pytest.raises(APIError):  # 4000 bytes of debt: the next body waits 5 s
+            await rate.admit("a", 1000)
+        await rate.admit("b", 1000)
+    asyncio.run(main())
+    assert rate.num_refused == 1
 
 
 def test_off_when_the_rate_is_zero():
@@ -53,7 +103,7 @@ def test_off_when_the_rate_is_zero():
 
 def test_a_tenant_over_its_rate_gets_429_and_another_is_served(smollm_tokenizer):
     limits = APIConfig(max_body_bytes=64 * 1024, tenant_body_bytes_per_s=64 * 1024,
-                       tenant_body_burst_bytes=128 * 1024)
+                       tenant_body_burst_bytes=128 * 1024, tenant_body_max_wait_s=0.0)
     big = json.dumps({"prompt": "Hi", "user": "u" * 60_000, "max_tokens": 2})
 
     async def main():
@@ -72,3 +122,40 @@ def test_a_tenant_over_its_rate_gets_429_and_another_is_served(smollm_tokenizer)
                 assert (await post(B))[0] == 200  # B's own bucket is full
                 assert len(engine.added) == 3
     asyncio.run(main())
+
+
+def test_a_tenant_over_its_rate_is_slowed_to_it_and_another_is_served_at_once(
+        smollm_tokenizer):
+    """Bodies past the burst are answered late, at the rate, not refused; another
+    tenant's request meanwhile is answered without waiting for them."""
+    limits = APIConfig(max_body_bytes=64 * 1024, tenant_body_bytes_per_s=200 * 1024,
+                       tenant_body_burst_bytes=64 * 1024, tenant_body_max_wait_s=2.0)
+    big = json.dumps({"prompt": "Hi", "user": "u" * 60_000, "max_tokens": 2})
+
+    async def main():
+        async with api_server(smollm_tokenizer, limits, keys=(A, B)) as (url, engine):
+            async with aiohttp.ClientSession() as s:
+                async def post(key, data):
+                    async with s.post(url + "/v1/completions", data=data, headers={
+                            "Authorization": f"Bearer {key}",
+                            "Content-Type": "application/json"}) as r:
+                        await r.read()
+                        return r.status, loop.time()
+                loop = asyncio.get_running_loop()
+                t0 = loop.time()
+                # 6 x 60 KB: one in the burst, five at 200 KB/s, about 1.5 s in all
+                flood = asyncio.gather(*(post(A, big) for _ in range(6)))
+                await asyncio.sleep(0.2)
+                b_status, b_done = await post(B, big)
+                statuses = await flood
+                assert b_status == 200 and b_done - t0 < 1.0
+                assert all(status == 200 for status, _ in statuses)
+                last = max(done for _, done in statuses) - t0
+                assert 1.2 < last < 4.0, last  # 300 KB past the burst at 200 KB/s
+                assert len(engine.added) == 7
+    asyncio.run(main())
+
+
+def test_a_held_body_waits_at_most_half_its_read_time():
+    assert APIConfig().body_hold_s == 5.0
+    assert APIConfig(body_timeout_s=4.0, tenant_body_max_wait_s=5.0).body_hold_s == 2.0
