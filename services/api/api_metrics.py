@@ -10,9 +10,12 @@ answered it):
     folio:api_open_connections                   client connections open now
     folio:api_buffered_body_bytes                request-body bytes held now
     folio:api_body_budget_refusals_total         requests refused 503 for that budget
+    folio:api_body_rate_held_total               bodies held unread past their tenant's
+                                                 rate (body_rate.py)
+    folio:api_body_rate_refusals_total           bodies refused 429 for that rate
 
-Values are read from the ConnectionGuard and the BodyBudget at scrape time, so the
-hot paths only bump plain integers.
+Values are read from the ConnectionGuard, the BodyBudget and the BodyRate at scrape
+time, so the hot paths only bump plain integers.
 """
 from __future__ import annotations
 
@@ -21,12 +24,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from observability.metrics import PREFIX
 from services.api.body_budget import BodyBudget
+from services.api.body_rate import BodyRate
 from services.api.connection_guard import CLOSE_REASONS, ConnectionGuard
 
 
 class _Collector:
-    def __init__(self, guard: ConnectionGuard, budget: BodyBudget):
-        self.guard, self.budget = guard, budget
+    def __init__(self, guard: ConnectionGuard, budget: BodyBudget, rate: BodyRate):
+        self.guard, self.budget, self.rate = guard, budget, rate
 
     def collect(self):
         closed = CounterMetricFamily(PREFIX + "api_connections_closed",
@@ -44,14 +48,20 @@ class _Collector:
         yield CounterMetricFamily(PREFIX + "api_body_budget_refusals",
                                   "Requests refused (503) because the body budget was "
                                   "spent", value=self.budget.num_refused)
+        yield CounterMetricFamily(PREFIX + "api_body_rate_held",
+                                  "Request bodies held unread until their tenant's body "
+                                  "rate covered them", value=self.rate.num_held)
+        yield CounterMetricFamily(PREFIX + "api_body_rate_refusals",
+                                  "Requests refused (429) past their tenant's body rate",
+                                  value=self.rate.num_refused)
 
 
 class APIMetrics:
     """The registry of this API process's metrics; ``render()`` gives the text."""
 
-    def __init__(self, guard: ConnectionGuard, budget: BodyBudget):
+    def __init__(self, guard: ConnectionGuard, budget: BodyBudget, rate: BodyRate):
         self.registry = CollectorRegistry()
-        self.registry.register(_Collector(guard, budget))
+        self.registry.register(_Collector(guard, budget, rate))
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

@@ -70,7 +70,7 @@ class APIServer:
                                   self.api.tenant_body_burst_bytes,
                                   self.api.body_hold_s)
         self.connections = ConnectionGuard(self.api)
-        self.api_metrics = APIMetrics(self.connections, self.body_budget)
+        self.api_metrics = APIMetrics(self.connections, self.body_budget, self.body_rate)
         self.tokens = TokenizerPool(tokenizer, self.api.num_tokenizer_threads,
                                     self.api.allow_special_tokens_in_content)
         self.grammars = GrammarChecker(

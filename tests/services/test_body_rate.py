@@ -12,6 +12,7 @@ from config.schema import APIConfig
 from services.api.body_rate import BodyRate
 from services.api.openai_protocol import APIError
 from tests.services.api_harness import api_server
+from tests.services.test_api_connections import metrics
 
 A, B = "sk-tenant-a-0123456789", "sk-tenant-b-0123456789"
 
@@ -121,6 +122,10 @@ def test_a_tenant_over_its_rate_gets_429_and_another_is_served(smollm_tokenizer)
                 assert body["error"]["code"] == "rate_limit_exceeded"
                 assert (await post(B))[0] == 200  # B's own bucket is full
                 assert len(engine.added) == 3
+                m = await metrics(url, {"Authorization": f"Bearer {B}"})
+                refused = sum(status == 429 for status, _, _ in statuses)
+                assert m["folio:api_body_rate_refusals_total"] == refused >= 1
+                assert m["folio:api_body_rate_held_total"] == 0
     asyncio.run(main())
 
 
@@ -153,6 +158,9 @@ def test_a_tenant_over_its_rate_is_slowed_to_it_and_another_is_served_at_once(
                 last = max(done for _, done in statuses) - t0
                 assert 1.2 < last < 4.0, last  # 300 KB past the burst at 200 KB/s
                 assert len(engine.added) == 7
+                m = await metrics(url, {"Authorization": f"Bearer {B}"})
+                assert m["folio:api_body_rate_held_total"] == 5
+                assert m["folio:api_body_rate_refusals_total"] == 0
     asyncio.run(main())
 
 
