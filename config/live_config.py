@@ -38,8 +38,8 @@ SCHEDULER_LIVE = ("max_num_seqs", "max_num_batched_tokens", "max_num_queued_requ
                   "max_num_queued_tokens", "max_step_ms", "num_scheduler_steps",
                   "max_run_ms")
 OBSERVABILITY_LIVE = ("log_level", "trace_sample_ratio", "trace_step_detail")
-API_LIVE = ("api_keys", "public_metrics", "public_health_detail", "max_n",
-            "max_batch_prompts", "max_stop_strings", "max_logprobs", "tenant_weights",
+API_LIVE = ("api_keys", "public_metrics", "public_health_detail", "public_poll_interval_s",
+            "max_n", "max_batch_prompts", "max_stop_strings", "max_logprobs", "tenant_weights",
             "header_timeout_s", "body_timeout_s", "max_connections",
             "max_buffered_body_bytes", "max_stop_string_chars", "max_stop_token_ids",
             "tenant_body_bytes_per_s", "tenant_body_burst_bytes",

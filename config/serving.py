@@ -68,6 +68,10 @@ class APIConfig:
         "secret": True})
     public_metrics: bool = _f(False, "serve /metrics without a key (/health is always "
                               "public)")
+    public_poll_interval_s: float = _f(0.05, "a connection's /health and public /metrics "
+                                       "requests without a valid key are answered at most "
+                                       "one per this many seconds (an earlier one waits); "
+                                       "0: no pacing")
     public_health_detail: bool = _f(False, "show /health's gauges (queue, KV usage, "
                                     "clients) without a key; /health's status is always "
                                     "public")
@@ -158,6 +162,8 @@ class APIConfig:
                "the largest allowed body could never be sent)")
         _check(self.tenant_body_max_wait_s >= 0, "api.tenant_body_max_wait_s",
                "must be >= 0")
+        _check(0 <= self.public_poll_interval_s <= 10, "api.public_poll_interval_s",
+               "must be in 0..10")
         _check(self.max_json_values >= 1024, "api.max_json_values", "must be at least 1024")
         _check(1 <= self.max_grammar_chars <= ENGINE_MAX_GRAMMAR_CHARS,
                "api.max_grammar_chars", f"must be in 1..{ENGINE_MAX_GRAMMAR_CHARS}")

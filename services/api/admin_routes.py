@@ -101,6 +101,7 @@ class AdminRoutes:
         server.body_rate.bytes_per_s = api.tenant_body_bytes_per_s
         server.body_rate.burst_bytes = api.tenant_body_burst_bytes
         server.body_rate.max_wait_s = api.body_hold_s
+        server.public_pacing.interval_s = api.public_poll_interval_s
         server.connections.api = api
         server.grammars.timeout_s = api.grammar_compile_timeout_s
         if self.tracing is not None:

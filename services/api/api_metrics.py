@@ -13,9 +13,12 @@ answered it):
     folio:api_body_rate_held_total               bodies held unread past their tenant's
                                                  rate (body_rate.py)
     folio:api_body_rate_refusals_total           bodies refused 429 for that rate
+    folio:api_public_polls_held_total            keyless /health or /metrics polls held
+                                                 for their connection's pace
+                                                 (public_pacing.py)
 
-Values are read from the ConnectionGuard, the BodyBudget and the BodyRate at scrape
-time, so the hot paths only bump plain integers.
+Values are read from the ConnectionGuard, the BodyBudget, the BodyRate and the
+PublicPacing at scrape time, so the hot paths only bump plain integers.
 """
 from __future__ import annotations
 
@@ -26,11 +29,13 @@ from observability.metrics import PREFIX
 from services.api.body_budget import BodyBudget
 from services.api.body_rate import BodyRate
 from services.api.connection_guard import CLOSE_REASONS, ConnectionGuard
+from services.api.public_pacing import PublicPacing
 
 
 class _Collector:
-    def __init__(self, guard: ConnectionGuard, budget: BodyBudget, rate: BodyRate):
-        self.guard, self.budget, self.rate = guard, budget, rate
+    def __init__(self, guard: ConnectionGuard, budget: BodyBudget, rate: BodyRate,
+                 pacing: PublicPacing):
+        self.guard, self.budget, self.rate, self.pacing = guard, budget, rate, pacing
 
     def collect(self):
         closed = CounterMetricFamily(PREFIX + "api_connections_closed",
@@ -54,14 +59,18 @@ class _Collector:
         yield CounterMetricFamily(PREFIX + "api_body_rate_refusals",
                                   "Requests refused (429) past their tenant's body rate",
                                   value=self.rate.num_refused)
+        yield CounterMetricFamily(PREFIX + "api_public_polls_held",
+                                  "Keyless /health or /metrics requests held for their "
+                                  "connection's pace", value=self.pacing.num_held)
 
 
 class APIMetrics:
     """The registry of this API process's metrics; ``render()`` gives the text."""
 
-    def __init__(self, guard: ConnectionGuard, budget: BodyBudget, rate: BodyRate):
+    def __init__(self, guard: ConnectionGuard, budget: BodyBudget, rate: BodyRate,
+                 pacing: PublicPacing):
         self.registry = CollectorRegistry()
-        self.registry.register(_Collector(guard, budget, rate))
+        self.registry.register(_Collector(guard, budget, rate, pacing))
 
     def render(self) -> str:
         return generate_latest(self.registry).decode()

@@ -23,6 +23,7 @@ from services.api.api_metrics import APIMetrics
 from services.api.auth import CACHE_SALT, TENANT, APIKeys, Authenticator
 from services.api.body_budget import BodyBudget
 from services.api.body_rate import BodyRate
+from services.api.public_pacing import PublicPacing
 from services.api.connection_guard import CONNECTION_GUARD, ConnectionGuard
 from services.api.control_routes import ControlRoutes
 from services.api.engine_client import EngineClient, EngineDead
@@ -70,7 +71,9 @@ class APIServer:
                                   self.api.tenant_body_burst_bytes,
                                   self.api.body_hold_s)
         self.connections = ConnectionGuard(self.api)
-        self.api_metrics = APIMetrics(self.connections, self.body_budget, self.body_rate)
+        self.public_pacing = PublicPacing(self.api.public_poll_interval_s)
+        self.api_metrics = APIMetrics(self.connections, self.body_budget, self.body_rate,
+                                      self.public_pacing)
         self.tokens = TokenizerPool(tokenizer, self.api.num_tokenizer_threads,
                                     self.api.allow_special_tokens_in_content)
         self.grammars = GrammarChecker(
@@ -202,6 +205,8 @@ class APIServer:
         engine core), ``status`` "sleeping" while the model sleeps; 503 while this process drains, when the link is down, the
         snapshot is stale or says the engine failed. The gauges go to callers with a
         valid key, or to all when the API is open or ``api.public_health_detail``."""
+        if request.get(TENANT) is None:
+            await self.public_pacing.pace(request)
         if self.admission.draining:
             raise unavailable("the server is shutting down", "shutting_down")
         snapshot = self.engine.fresh_health()
@@ -224,6 +229,8 @@ class APIServer:
     async def metrics(self, request) -> web.Response:
         """Prometheus text: the engine core's metrics, the same from every API process,
         then this process's own (api_metrics.py)."""
+        if request.get(TENANT) is None:
+            await self.public_pacing.pace(request)
         if not self.enable_metrics:
             raise APIError(404, "metrics are off (observability.enable_metrics)",
                            "not_found_error")

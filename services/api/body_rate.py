@@ -8,23 +8,24 @@ API key; without keys, one for everybody) bounds that:
 
     capacity   ``api.tenant_body_burst_bytes``: what a tenant may send at once
     refill     ``api.tenant_body_bytes_per_s``; 0 turns the bucket off
-
-    wait       ``api.tenant_body_max_wait_s``: how long a body may be held back
+    wait       ``api.tenant_body_max_wait_s``: how long a body may be held back (at
+               most half of ``api.body_timeout_s``, which the wait counts towards)
 
 A body whose Content-Length the bucket cannot cover now, but will within the wait, is
 charged at once (the bucket goes into debt, so later bodies queue behind it) and held,
 unread, until the bucket has refilled: its request is answered late, not refused. A
 client that sends bodies back to back therefore slows to the rate: its unread bytes fill
-the socket's buffers, and its sends stall. Answered 429 at once instead, it sent the next
-body at once, and on a 2-core machine that client's own loop (building and sending 4 MB
-bodies) took the CPU the server needed (README, "Hostile clients"). A body the bucket cannot cover within the wait
-gets 429 + ``Retry-After`` (the seconds until it could) before a byte is read, and
-nothing is charged. A body refused for its declared size (413) is charged what it
-declared, its answer held the same way: aiohttp drains a refused body to keep the
-connection, so a client re-sending one would otherwise cost the loop its bytes at no
-rate at all. A chunked body is charged what it turned out to be once read, so its
-tenant may go into debt and wait longer next time. Buckets are per API process: with
-``services.num_api_servers`` processes a tenant may send that many times the rate.
+the socket's buffers, and its sends stall. Answered 429 at once instead, it sent the
+next body at once, and on a 2-core machine that client's own loop (building and sending
+4 MB bodies) took the CPU the server needed (README, "Hostile clients"). A body the
+bucket cannot cover within the wait gets 429 + ``Retry-After`` (the seconds until it
+could) before a byte is read, and nothing is charged. A body refused for its declared
+size (413) is charged what it declared, its answer held the same way: aiohttp drains a
+refused body to keep the connection, so a client re-sending one would otherwise cost
+the loop its bytes at no rate at all. A chunked body is charged what it turned out to
+be once read, so its tenant may go into debt and wait longer next time. Buckets are
+per API process: with ``services.num_api_servers`` processes a tenant may send that
+many times the rate.
 """
 from __future__ import annotations
 

@@ -123,6 +123,7 @@ class APIRequestHandler(RequestHandler):
         self._body_clock: _Clock | None = None
         self._last_request: web.BaseRequest | None = None  # the one answered last/now
         self._is_counted = False
+        self.public_poll_due = 0.0  # loop time of this connection's next keyless poll
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._guard.opened()

@@ -32,7 +32,9 @@ NUM_PROBES, NUM_CONNECTIONS = 2000, 16
 @pytest.fixture(scope="module")
 def stack(tiny_llama_dir, default_model_path, tmp_path_factory):
     folder = tmp_path_factory.mktemp("health_flood")
-    config = write_config(folder / "folio.yaml", str(tiny_llama_dir), str(default_model_path))
+    # no pacing of keyless polls (public_pacing.py): the flood measures the snapshot path
+    config = write_config(folder / "folio.yaml", str(tiny_llama_dir), str(default_model_path),
+                          api={"public_poll_interval_s": 0})
     serve = ServeProcess(config, folder)
     serve.wait_ready()
     yield serve
