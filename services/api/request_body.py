@@ -69,11 +69,22 @@ _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 _JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 
+# Up to this many quote characters the commas inside strings are counted string by
+# string (4 MB of stop_token_ids: 1.5 ms against 5-9 ms for copying the text without
+# its strings); past it, a Python loop over the strings would cost more than the copy.
+FEW_QUOTES = 4096
+
+
 def check_value_count(text: str, max_values: int) -> None:
     """400 when the JSON text holds more than about ``max_values`` values."""
-    if text.count(",") < max_values:
+    num_commas = text.count(",")
+    if num_commas < max_values:
         return
-    if _JSON_STRING.sub("", text).count(",") >= max_values:
+    if text.count('"') <= FEW_QUOTES:
+        outside = num_commas - sum(m.group().count(",") for m in _JSON_STRING.finditer(text))
+    else:
+        outside = _JSON_STRING.sub("", text).count(",")
+    if outside >= max_values:
         raise bad(f"the body holds more than {max_values} JSON values (api.max_json_values)")
 
 

@@ -107,15 +107,18 @@ def test_a_body_with_too_many_json_values_is_refused_before_parsing(smollm_token
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("few_quotes", [0, 10**9])  # strings removed / counted one by one
 @pytest.mark.parametrize("text,refused", [
     ("[" + ",".join(["1"] * 2000) + "]", True),
     ('{"a": [' + ",".join(["1"] * 1023) + "]}", False),
     (json.dumps(["x,y" * 3, ',"' * 600, "\\" * 5] * 200), False),  # 599 values
     (json.dumps(["x,y"] * 1100), True),
 ])
-def test_value_count_ignores_commas_in_strings(text, refused):
+def test_value_count_ignores_commas_in_strings(text, refused, few_quotes, monkeypatch):
+    from services.api import request_body
     from services.api.openai_protocol import APIError
     from services.api.request_body import check_value_count
+    monkeypatch.setattr(request_body, "FEW_QUOTES", few_quotes)
     if refused:
         with pytest.raises(APIError):
             check_value_count(text, 1024)
