@@ -23,7 +23,6 @@ from services.api.api_metrics import APIMetrics
 from services.api.auth import CACHE_SALT, TENANT, APIKeys, Authenticator
 from services.api.body_budget import BodyBudget
 from services.api.body_rate import BodyRate
-from services.api.public_pacing import PublicPacing
 from services.api.connection_guard import CONNECTION_GUARD, ConnectionGuard
 from services.api.control_routes import ControlRoutes
 from services.api.engine_client import EngineClient, EngineDead
@@ -34,6 +33,7 @@ from services.api.grammar_check import GrammarChecker
 from services.api.lora_routes import LoRARoutes
 from services.api.openai_protocol import APIError, unavailable
 from services.api.openapi import openapi_document
+from services.api.public_pacing import PublicPacing
 from services.api.request_body import check_declared_size, parse_json_object, read_body
 from services.api.request_validation import RequestValidator, ValidationLimits, check_model
 from services.api.token_routes import TokenRoutes

@@ -6,9 +6,10 @@ cheap, but on a 2-core machine that client's own loop, and the API process's req
 parsing, take the CPU the model needs. A connection's requests to these paths without a
 valid key are answered at most one per ``api.public_poll_interval_s`` (50 ms): an earlier
 one waits until its turn, so a flooding connection slows to 20 requests a second, while
-a health checker polling every few seconds (or a watcher every 20 ms, whose own pause
-fills most of the interval) never notices. Requests with a valid key are never paced.
-The pace is per connection: a client opening a connection per request pays its
+a health checker polling every few seconds never waits (one polling every 20 ms waits
+about 30 ms a poll). Requests with a valid key are never paced. The pace is per
+connection (its due time lives on the connection's handler,
+services/api/connection_handler.py): a client opening a connection per request pays its
 handshakes instead, and ``api.max_connections`` bounds how many it holds at once.
 """
 from __future__ import annotations
