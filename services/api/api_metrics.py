@@ -50,19 +50,20 @@ class _Collector:
         yield GaugeMetricFamily(PREFIX + "api_buffered_body_bytes",
                                 "Request-body bytes this API process holds now",
                                 value=self.budget.num_bytes)
-        yield CounterMetricFamily(PREFIX + "api_body_budget_refusals",
-                                  "Requests refused (503) because the body budget was "
-                                  "spent", value=self.budget.num_refused)
-        yield CounterMetricFamily(PREFIX + "api_body_rate_held",
-                                  "Request bodies held unread until their tenant's body "
-                                  "rate covered them", value=self.rate.num_held)
-        yield CounterMetricFamily(PREFIX + "api_body_rate_refusals",
-                                  "Requests refused (429) past their tenant's body rate",
-                                  value=self.rate.num_refused)
-        yield CounterMetricFamily(PREFIX + "api_public_polls_held",
-                                  "Keyless /health or /metrics requests held for their "
-                                  "connection's pace", value=self.pacing.num_held)
-
+        for name, doc, value in (
+                ("api_body_budget_refusals",
+                 "Requests refused (503) because the body budget was spent",
+                 self.budget.num_refused),
+                ("api_body_rate_held",
+                 "Request bodies held unread until their tenant's body rate covered them",
+                 self.rate.num_held),
+                ("api_body_rate_refusals",
+                 "Requests refused (429) past their tenant's body rate",
+                 self.rate.num_refused),
+                ("api_public_polls_held",
+                 "Keyless /health or /metrics requests held for their connection's pace",
+                 self.pacing.num_held)):
+            yield CounterMetricFamily(PREFIX + name, doc, value=value)
 
 class APIMetrics:
     """The registry of this API process's metrics; ``render()`` gives the text."""

@@ -3,6 +3,7 @@ itself; past its body-byte rate a body is held unread until the rate covers it (
 api.tenant_body_max_wait_s), or else gets 429 + Retry-After before a byte is read, and
 another tenant is served as before."""
 import asyncio
+import contextlib
 import json
 
 import aiohttp
@@ -15,6 +16,24 @@ from tests.services.api_harness import api_server
 from tests.services.test_api_connections import metrics
 
 A, B = "sk-tenant-a-0123456789", "sk-tenant-b-0123456789"
+
+
+BIG = json.dumps({"prompt": "Hi", "user": "u" * 60_000, "max_tokens": 2})  # ~60 KB
+
+
+@contextlib.asynccontextmanager
+async def _two_tenants(tokenizer, limits: APIConfig):
+    """(url, engine, client session) of an API with tenants A and B under ``limits``."""
+    async with api_server(tokenizer, limits, keys=(A, B)) as (url, engine):
+        async with aiohttp.ClientSession() as session:
+            yield url, engine, session
+
+
+async def _post(session: aiohttp.ClientSession, url: str, key: str, data: str):
+    """(status, Retry-After, JSON body) of a completion request under ``key``."""
+    async with session.post(url + "/v1/completions", data=data, headers={
+            "Authorization": f"Bearer {key}", "Content-Type": "application/json"}) as r:
+        return r.status, r.headers.get("Retry-After"), await r.json()
 
 
 class Clock:
@@ -105,27 +124,22 @@ def test_off_when_the_rate_is_zero():
 def test_a_tenant_over_its_rate_gets_429_and_another_is_served(smollm_tokenizer):
     limits = APIConfig(max_body_bytes=64 * 1024, tenant_body_bytes_per_s=64 * 1024,
                        tenant_body_burst_bytes=128 * 1024, tenant_body_max_wait_s=0.0)
-    big = json.dumps({"prompt": "Hi", "user": "u" * 60_000, "max_tokens": 2})
 
     async def main():
-        async with api_server(smollm_tokenizer, limits, keys=(A, B)) as (url, engine):
-            async with aiohttp.ClientSession() as s:
-                async def post(key):
-                    async with s.post(url + "/v1/completions", data=big, headers={
-                            "Authorization": f"Bearer {key}",
-                            "Content-Type": "application/json"}) as r:
-                        return r.status, r.headers.get("Retry-After"), await r.json()
-                statuses = [await post(A) for _ in range(4)]
-                assert [s for s, _, _ in statuses[:2]] == [200, 200]
-                status, retry_after, body = statuses[2]
-                assert status == 429 and int(retry_after) >= 1
-                assert body["error"]["code"] == "rate_limit_exceeded"
-                assert (await post(B))[0] == 200  # B's own bucket is full
-                assert len(engine.added) == 3
-                m = await metrics(url, {"Authorization": f"Bearer {B}"})
-                refused = sum(status == 429 for status, _, _ in statuses)
-                assert m["folio:api_body_rate_refusals_total"] == refused >= 1
-                assert m["folio:api_body_rate_held_total"] == 0
+        async with _two_tenants(smollm_tokenizer, limits) as (url, engine, s):
+            async def post(key):
+                return await _post(s, url, key, BIG)
+            statuses = [await post(A) for _ in range(4)]
+            assert [s for s, _, _ in statuses[:2]] == [200, 200]
+            status, retry_after, body = statuses[2]
+            assert status == 429 and int(retry_after) >= 1
+            assert body["error"]["code"] == "rate_limit_exceeded"
+            assert (await post(B))[0] == 200  # B's own bucket is full
+            assert len(engine.added) == 3
+            m = await metrics(url, {"Authorization": f"Bearer {B}"})
+            refused = sum(status == 429 for status, _, _ in statuses)
+            assert m["folio:api_body_rate_refusals_total"] == refused >= 1
+            assert m["folio:api_body_rate_held_total"] == 0
     asyncio.run(main())
 
 
@@ -135,32 +149,27 @@ def test_a_tenant_over_its_rate_is_slowed_to_it_and_another_is_served_at_once(
     tenant's request meanwhile is answered without waiting for them."""
     limits = APIConfig(max_body_bytes=64 * 1024, tenant_body_bytes_per_s=200 * 1024,
                        tenant_body_burst_bytes=64 * 1024, tenant_body_max_wait_s=2.0)
-    big = json.dumps({"prompt": "Hi", "user": "u" * 60_000, "max_tokens": 2})
 
     async def main():
-        async with api_server(smollm_tokenizer, limits, keys=(A, B)) as (url, engine):
-            async with aiohttp.ClientSession() as s:
-                async def post(key, data):
-                    async with s.post(url + "/v1/completions", data=data, headers={
-                            "Authorization": f"Bearer {key}",
-                            "Content-Type": "application/json"}) as r:
-                        await r.read()
-                        return r.status, loop.time()
-                loop = asyncio.get_running_loop()
-                t0 = loop.time()
-                # 6 x 60 KB: one in the burst, five at 200 KB/s, about 1.5 s in all
-                flood = asyncio.gather(*(post(A, big) for _ in range(6)))
-                await asyncio.sleep(0.2)
-                b_status, b_done = await post(B, big)
-                statuses = await flood
-                assert b_status == 200 and b_done - t0 < 1.0
-                assert all(status == 200 for status, _ in statuses)
-                last = max(done for _, done in statuses) - t0
-                assert 1.2 < last < 4.0, last  # 300 KB past the burst at 200 KB/s
-                assert len(engine.added) == 7
-                m = await metrics(url, {"Authorization": f"Bearer {B}"})
-                assert m["folio:api_body_rate_held_total"] == 5
-                assert m["folio:api_body_rate_refusals_total"] == 0
+        async with _two_tenants(smollm_tokenizer, limits) as (url, engine, s):
+            async def post(key, data):
+                status, _, _ = await _post(s, url, key, data)
+                return status, loop.time()
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            # 6 x 60 KB: one in the burst, five at 200 KB/s, about 1.5 s in all
+            flood = asyncio.gather(*(post(A, BIG) for _ in range(6)))
+            await asyncio.sleep(0.2)
+            b_status, b_done = await post(B, BIG)
+            statuses = await flood
+            assert b_status == 200 and b_done - t0 < 1.0
+            assert all(status == 200 for status, _ in statuses)
+            last = max(done for _, done in statuses) - t0
+            assert 1.2 < last < 4.0, last  # 300 KB past the burst at 200 KB/s
+            assert len(engine.added) == 7
+            m = await metrics(url, {"Authorization": f"Bearer {B}"})
+            assert m["folio:api_body_rate_held_total"] == 5
+            assert m["folio:api_body_rate_refusals_total"] == 0
     asyncio.run(main())
 
 
