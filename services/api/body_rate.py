@@ -12,8 +12,8 @@ API key; without keys, one for everybody) bounds that:
                most half of ``api.body_timeout_s``, which the wait counts towards)
 
 A body whose Content-Length the bucket cannot cover now, but will within the wait, is
-charged at once (the bucket goes into debt, so later bodies queue behind it) and held,
-unread, until the bucket has refilled: its request is answered late, not refused. A
+held, unread, until the bucket has refilled enough, and charged then: its request is
+answered late, not refused, and a small body arriving meanwhile passes at once. A
 client that sends bodies back to back therefore slows to the rate: its unread bytes fill
 the socket's buffers, and its sends stall. Answered 429 at once instead, it sent the
 next body at once, and on a 2-core machine that client's own loop (building and sending
@@ -65,40 +65,65 @@ class BodyRate:
 
     async def admit(self, tenant: str | None, num_bytes: int) -> None:
         """Charge a body's ``num_bytes`` before it is read, returning once the bucket
-        covers them: at once, or after a wait of at most ``max_wait_s``; 429 (nothing
-        charged) when even that would not do."""
-        await self._hold(self.take(tenant, num_bytes, max_wait_s=self.max_wait_s))
+        covers them: at once, or after waits of at most ``max_wait_s`` in all; 429
+        (nothing charged) when that would not do."""
+        waited = 0.0
+        while (wait := self._wait_or_take(tenant, num_bytes)) > 0:
+            if waited + wait > self.max_wait_s:
+                self.num_refused += 1
+                raise rate_limited(wait)
+            waited = await self._hold(wait, waited)
 
     async def charge_refused(self, tenant: str | None, num_bytes: int) -> None:
         """A body refused for its declared size still costs its tenant those bytes (at
         most one burst's worth: a size it never sends cannot lock it out for long), and
-        its answer waits as a held body would, at most ``max_wait_s``. A client that
-        keeps sending it, unread but lingering-drained, slows to the rate too."""
-        wait = self.take(tenant, min(num_bytes, self.burst_bytes), may_borrow=True)
-        await self._hold(min(wait, self.max_wait_s))
+        its answer waits as a held body would, at most ``max_wait_s`` (then the bytes
+        are charged anyway). A client that keeps sending it, unread but
+        lingering-drained, slows to the rate too."""
+        num_bytes, waited = min(num_bytes, self.burst_bytes), 0.0
+        while (wait := self._wait_or_take(tenant, num_bytes)) > 0:
+            if waited + wait > self.max_wait_s:
+                self.take(tenant, num_bytes, may_borrow=True)
+                return
+            waited = await self._hold(wait, waited)
 
-    async def _hold(self, wait: float) -> None:
-        if wait > 0:
-            self.num_held += 1
-            await self.sleep(wait)
+    async def _hold(self, wait: float, waited: float) -> float:
+        if waited == 0:
+            self.num_held += 1  # a body is counted once, however often it re-waits
+        await self.sleep(wait)
+        return waited + wait
 
-    def take(self, tenant: str | None, num_bytes: int, may_borrow: bool = False,
-             max_wait_s: float = 0.0) -> float:
-        """Charge ``num_bytes`` to the tenant and return the seconds until its bucket
-        covers them (0: now); 429 (nothing charged) when that is more than
-        ``max_wait_s``, unless ``may_borrow`` (the bytes came or were refused anyway)."""
+    def _wait_or_take(self, tenant: str | None, num_bytes: int) -> float:
+        """Charge ``num_bytes`` if the bucket covers them now (0.0), else the seconds
+        until it would, charging nothing: a waiting body never puts the bucket in
+        debt, so a small body never queues behind a large one; when waiters wake
+        together, the first takes the bytes and the others wait again."""
         if self.bytes_per_s <= 0 or num_bytes <= 0:
             return 0.0
         key, now = tenant or "", self.clock()
         level = self._level(key, now)
-        wait = max(0.0, (num_bytes - level) / self.bytes_per_s)
-        if wait > max_wait_s and not may_borrow:
+        if level < num_bytes:
+            return (num_bytes - level) / self.bytes_per_s
+        self._charge(key, level - num_bytes, now)
+        return 0.0
+
+    def take(self, tenant: str | None, num_bytes: int, may_borrow: bool = False) -> None:
+        """Charge ``num_bytes`` to the tenant now; 429 (nothing charged) when its
+        bucket cannot cover them, unless ``may_borrow`` (the bytes came or were
+        refused anyway: the bucket goes into debt)."""
+        if self.bytes_per_s <= 0 or num_bytes <= 0:
+            return
+        key, now = tenant or "", self.clock()
+        level = self._level(key, now)
+        if level < num_bytes and not may_borrow:
             self.num_refused += 1
-            raise rate_limited(wait)
-        self._buckets[key] = (level - num_bytes, now)
+            raise rate_limited((num_bytes - level) / self.bytes_per_s)
+        self._charge(key, level - num_bytes, now)
+
+    def _charge(self, key: str, level: float, now: float) -> None:
+        self._buckets[key] = (level, now)
         if len(self._buckets) > 100_000:  # tenants are API keys: a few; stay bounded
             self._forget_full(now)
-        return wait
 
     def _forget_full(self, now: float) -> None:
         for key in [k for k in self._buckets if self._level(k, now) >= self.burst_bytes]:

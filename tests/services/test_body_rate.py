@@ -57,7 +57,7 @@ def test_bucket_refills_at_its_rate_and_refuses_what_it_cannot_cover():
     with pytest.raises(APIError) as refused:
         rate.take("a", 2500)
     assert refused.value.headers["Retry-After"] == "3"  # 2500 bytes at 1000/s
-    assert rate.take("a", 2500, may_borrow=True) == 2.5  # a chunked body already read: debt
+    rate.take("a", 2500, may_borrow=True)  # a chunked body already read: debt
     clock.now = 3.0
     with pytest.raises(APIError):
         rate.take("a", 100)  # still repaying
@@ -66,53 +66,95 @@ def test_bucket_refills_at_its_rate_and_refuses_what_it_cannot_cover():
     assert rate.num_refused == 3
 
 
-def test_a_body_the_rate_covers_within_the_wait_is_held_and_later_ones_queue_behind_it():
-    clock, slept = Clock(), []
-
+def _held_rate(clock: Clock, slept: list[float], meanwhile=None) -> BodyRate:
+    """A bucket of 1000 bytes/s (burst 3000, waits up to 2 s) whose sleeps advance
+    ``clock``; ``meanwhile(rate)`` runs at the end of the first sleep (another request
+    taking bytes just before the sleeper wakes)."""
     async def sleep(seconds):
         slept.append(seconds)
         clock.now += seconds
+        if meanwhile is not None and len(slept) == 1:
+            meanwhile(rate)
 
     rate = BodyRate(bytes_per_s=1000, burst_bytes=3000, max_wait_s=2.0, clock=clock,
                     sleep=sleep)
+    return rate
+
+
+def test_a_body_the_rate_covers_within_the_wait_is_held_then_charged():
+    clock, slept = Clock(), []
+    rate = _held_rate(clock, slept)
 
     async def main():
         await rate.admit("a", 3000)  # the burst: no wait
-        assert slept == []
         await rate.admit("a", 1500)  # 1.5 s until the bucket covers it
         assert slept == [1.5] and clock.now == 1.5
-        clock.now = 1.5
-        rate.take("a", 1000, max_wait_s=2.0)  # charged now, due at 2.5 s: the queue
         with pytest.raises(APIError) as refused:
-            await rate.admit("a", 1200)  # would be due at 3.7 s: past the wait
+            await rate.admit("a", 2500)  # 2.5 s away: past the wait, nothing charged
         assert refused.value.status == 429 and refused.value.headers["Retry-After"] == "3"
+        clock.now = 1.6
+        await rate.admit("a", 100)  # a small body is not queued behind anything
         await rate.admit("b", 3000)  # another tenant's bucket is full
         assert slept == [1.5]
-        clock.now = 2.5
-        await rate.admit("a", 1000)  # the queue drained at 2.5 s: due at 3.5 s
-        assert slept == [1.5, 1.0]
     asyncio.run(main())
-    assert (rate.num_held, rate.num_refused) == (2, 1)
+    assert (rate.num_held, rate.num_refused) == (1, 1)
+
+
+def test_a_held_body_whose_bytes_were_taken_meanwhile_waits_again_within_its_limit():
+    clock, slept = Clock(), []
+    rate = _held_rate(clock, slept, meanwhile=lambda r: r.take("a", 600))
+
+    async def main():
+        await rate.admit("a", 3000)
+        await rate.admit("a", 1000)  # 1 s; meanwhile another body takes 600 bytes
+        assert slept == [1.0, 0.6] and clock.now == 1.6
+    asyncio.run(main())
+    assert rate.num_held == 1  # counted once
+
+    clock, slept = Clock(), []
+    rate = _held_rate(clock, slept, meanwhile=lambda r: r.take("a", 1500, may_borrow=True))
+
+    async def refused():
+        await rate.admit("a", 3000)
+        with pytest.raises(APIError):  # 1 s, then 1.5 s more: past the 2 s wait
+            await rate.admit("a", 1000)
+    asyncio.run(refused())
+
+
+def test_a_small_body_passes_while_a_large_one_waits():
+    """A waiting body charges nothing until the bucket covers it (no debt to queue
+    behind), so the tenant's small requests are not held up by its large ones."""
+    rate = BodyRate(bytes_per_s=100_000, burst_bytes=100_000, max_wait_s=1.0)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        await rate.admit("a", 100_000)  # the bucket is empty now
+        t0 = loop.time()
+        large = asyncio.ensure_future(rate.admit("a", 50_000))  # 0.5 s away
+        await asyncio.sleep(0.05)
+        await rate.admit("a", 1_000)  # ~5,000 bytes refilled: enough for this one
+        assert loop.time() - t0 < 0.3
+        await large
+        assert loop.time() - t0 >= 0.45
+    asyncio.run(main())
+    assert rate.num_held == 1
 
 
 def test_a_body_refused_for_its_size_costs_its_tenant_what_it_declared():
     clock, slept = Clock(), []
-
-    async def sleep(seconds):
-        slept.append(seconds)
-
-    rate = BodyRate(bytes_per_s=1000, burst_bytes=3000, max_wait_s=2.0, clock=clock,
-                    sleep=sleep)
+    rate = _held_rate(clock, slept)
 
     async def main():
         await rate.charge_refused("a", 2000)  # within the burst: answered at once
-        await rate.charge_refused("a", 10**9)  # charged one burst, held at most 2 s
+        await rate.charge_refused("a", 10**9)  # one burst's worth: 2 s away, held
         assert slept == [2.0]
-        with pytest.raises(APIError):  # 4000 bytes of debt: the next body waits 5 s
+        await rate.charge_refused("a", 3000)  # 3 s away: past the wait, charged at once
+        assert slept == [2.0]
+        with pytest.raises(APIError):  # 3000 bytes of debt: the next body is 4 s away
             await rate.admit("a", 1000)
         await rate.admit("b", 1000)
     asyncio.run(main())
-    assert rate.num_refused == 1
+    assert (rate.num_held, rate.num_refused) == (1, 1)
 
 
 def test_off_when_the_rate_is_zero():
