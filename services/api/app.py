@@ -205,8 +205,7 @@ class APIServer:
         engine core), ``status`` "sleeping" while the model sleeps; 503 while this process drains, when the link is down, the
         snapshot is stale or says the engine failed. The gauges go to callers with a
         valid key, or to all when the API is open or ``api.public_health_detail``."""
-        if request.get(TENANT) is None:
-            await self.public_pacing.pace(request)
+        await self.public_pacing.pace(request)
         if self.admission.draining:
             raise unavailable("the server is shutting down", "shutting_down")
         snapshot = self.engine.fresh_health()
@@ -229,8 +228,7 @@ class APIServer:
     async def metrics(self, request) -> web.Response:
         """Prometheus text: the engine core's metrics, the same from every API process,
         then this process's own (api_metrics.py)."""
-        if request.get(TENANT) is None:
-            await self.public_pacing.pace(request)
+        await self.public_pacing.pace(request)
         if not self.enable_metrics:
             raise APIError(404, "metrics are off (observability.enable_metrics)",
                            "not_found_error")

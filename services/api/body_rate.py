@@ -67,12 +67,9 @@ class BodyRate:
         """Charge a body's ``num_bytes`` before it is read, returning once the bucket
         covers them: at once, or after waits of at most ``max_wait_s`` in all; 429
         (nothing charged) when that would not do."""
-        waited = 0.0
-        while (wait := self._wait_or_take(tenant, num_bytes)) > 0:
-            if waited + wait > self.max_wait_s:
-                self.num_refused += 1
-                raise rate_limited(wait)
-            waited = await self._hold(wait, waited)
+        if (wait := await self._hold_until_covered(tenant, num_bytes)) > 0:
+            self.num_refused += 1
+            raise rate_limited(wait)
 
     async def charge_refused(self, tenant: str | None, num_bytes: int) -> None:
         """A body refused for its declared size still costs its tenant those bytes (at
@@ -80,18 +77,23 @@ class BodyRate:
         its answer waits as a held body would, at most ``max_wait_s`` (then the bytes
         are charged anyway). A client that keeps sending it, unread but
         lingering-drained, slows to the rate too."""
-        num_bytes, waited = min(num_bytes, self.burst_bytes), 0.0
+        num_bytes = min(num_bytes, self.burst_bytes)
+        if await self._hold_until_covered(tenant, num_bytes) > 0:
+            self.take(tenant, num_bytes, may_borrow=True)
+
+    async def _hold_until_covered(self, tenant: str | None, num_bytes: int) -> float:
+        """Wait until the bucket covers ``num_bytes`` and charge them (0.0), or return
+        the wait still needed, charging nothing, once it would pass ``max_wait_s`` in
+        all. A body is counted held once, however often it waits again."""
+        waited = 0.0
         while (wait := self._wait_or_take(tenant, num_bytes)) > 0:
             if waited + wait > self.max_wait_s:
-                self.take(tenant, num_bytes, may_borrow=True)
-                return
-            waited = await self._hold(wait, waited)
-
-    async def _hold(self, wait: float, waited: float) -> float:
-        if waited == 0:
-            self.num_held += 1  # a body is counted once, however often it re-waits
-        await self.sleep(wait)
-        return waited + wait
+                return wait
+            if waited == 0:
+                self.num_held += 1
+            await self.sleep(wait)
+            waited += wait
+        return 0.0
 
     def _wait_or_take(self, tenant: str | None, num_bytes: int) -> float:
         """Charge ``num_bytes`` if the bucket covers them now (0.0), else the seconds

@@ -18,6 +18,8 @@ import asyncio
 
 from aiohttp import web
 
+from services.api.auth import TENANT
+
 
 class PublicPacing:
     """Holds a connection's keyless poll until ``interval_s`` after its previous one."""
@@ -27,8 +29,9 @@ class PublicPacing:
         self.num_held = 0  # polls that waited for their turn
 
     async def pace(self, request: web.BaseRequest) -> None:
+        """Wait for this connection's turn, unless the request carries a valid key."""
         protocol = request.protocol
-        if self.interval_s <= 0 or protocol is None:
+        if self.interval_s <= 0 or protocol is None or request.get(TENANT) is not None:
             return
         now = asyncio.get_running_loop().time()
         due = getattr(protocol, "public_poll_due", 0.0)

@@ -62,6 +62,7 @@ def test_environment_is_read(monkeypatch, tmp_path):
     ("parallel:\n  data_parallel_size: 2\nservices:\n  worker_address: 'w:9000'\n",
      "services.worker_address"),
     ("api:\n  tenant_body_max_wait_s: -1\n", "api.tenant_body_max_wait_s"),
+    ("api:\n  public_poll_interval_s: -1\n", "api.public_poll_interval_s"),
 ])
 def test_bad_keys_and_values_name_key_and_file(tmp_path, text, key):
     path = write(tmp_path, text)
