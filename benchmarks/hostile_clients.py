@@ -9,9 +9,9 @@ attacking client runs at ``--attacker-nice`` (default 10), standing in for a cli
 another machine; ``--attacker-nice 0`` shares the CPU equally with the server.
 
 Fairness: tenant A floods 64 heavy requests (512-token prompts that share no prefix,
-128 tokens out) and
-tenant B sends 16-token requests meanwhile; B's TTFT against its unloaded TTFT, under
-`scheduler.policy: fcfs` and `fair` (target for fair: within 3x).
+128 tokens out) and tenant B sends 16-token requests one after another from 2 s in until
+the flood ends; B's TTFT (p50, p90, slowest) against its unloaded median, under
+`scheduler.policy: fcfs` and `fair` (target for fair: within 3x), and A's output rate.
 
     .venv/bin/python benchmarks/hostile_clients.py --json benchmarks/results/hostile_clients.json
     .venv/bin/python benchmarks/hostile_clients.py --attacks slowloris --no-fairness
@@ -115,21 +115,27 @@ async def run_attack(url: str, name: str, num: int, attacker_nice: int) -> dict:
 
 
 async def run_fairness(url: str, num: int, tokenizer) -> dict:
+    """B's TTFT unloaded (``num`` requests), then B's requests one after another from
+    2 s into A's flood until it ends (both its prefill and its decode phase)."""
     ids = tokenizer.encode("The history of the sea " * 200)[:512]
     unloaded = await ttfts(url, VICTIM, num)
     t0 = time.perf_counter()
     flood = asyncio.ensure_future(attacks.heavy_tenant(url, bearer(ATTACKER), ids, 64, 128))
     await asyncio.sleep(2.0)
-    loaded = await ttfts(url, VICTIM, num)
+    loaded = []
+    while not flood.done():
+        loaded += await ttfts(url, VICTIM, 1)
     flood_tokens = await flood
     flood_s = time.perf_counter() - t0
+    base = statistics.median(unloaded)
     return {"flood_s": flood_s, "flood_output_tok_s": flood_tokens / flood_s,
-            "ttft_unloaded_p50_s": statistics.median(unloaded),
+            "ttft_unloaded_p50_s": base, "num_loaded": len(loaded),
             "ttft_loaded_p50_s": statistics.median(loaded),
+            "ttft_loaded_p90_s": percentile(loaded, 0.9),
             "ttft_loaded_max_s": max(loaded),
-            "ratio_p50": statistics.median(loaded) / statistics.median(unloaded),
-            # the first request meets the flood's whole queue; later ones its tail
-            "ratio_max": max(loaded) / statistics.median(unloaded)}
+            "ratio_p50": statistics.median(loaded) / base,
+            "ratio_p90": percentile(loaded, 0.9) / base,
+            "ratio_max": max(loaded) / base}
 
 
 def cpu_info() -> dict:
@@ -141,10 +147,21 @@ def cpu_info() -> dict:
             "cpus": fields.get("CPU(s)", "").strip()}
 
 
-def settings(args, policy: str = "fcfs", max_step_ms: float | None = None) -> dict:
+def settings(args, policy: str = "fcfs", max_step_ms: float | None = None,
+             fair_step_factor: float | None = None) -> dict:
+    scheduler = {"policy": policy, "max_step_ms": max_step_ms}
+    if fair_step_factor is not None:
+        scheduler["fair_step_factor"] = fair_step_factor
     return {"model": {"dtype": args.dtype}, "api": {"api_keys": [VICTIM, ATTACKER]},
-            "scheduler": {"policy": policy, "max_step_ms": max_step_ms},
-            "observability": {"log_level": "warning"}}
+            "scheduler": scheduler, "observability": {"log_level": "warning"}}
+
+
+def parse_policy(name: str) -> tuple[str, float | None, float | None]:
+    """``fair``, ``fair:60`` (scheduler.max_step_ms) or ``fair@4`` (fair_step_factor)."""
+    name, _, factor = name.partition("@")
+    policy, _, max_step_ms = name.partition(":")
+    return (policy, float(max_step_ms) if max_step_ms else None,
+            float(factor) if factor else None)
 
 
 def main() -> int:
@@ -157,7 +174,8 @@ def main() -> int:
                         help="nice value of the attacking client's process (0: equal)")
     parser.add_argument("--policies", default="fcfs,fair",
                         help="fairness part: policies to compare, each optionally with a "
-                             "scheduler.max_step_ms, e.g. fcfs,fair,fair:150")
+                             "scheduler.max_step_ms (:ms) or fair_step_factor (@x), e.g. "
+                             "fcfs,fair,fair@0,fair:150")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     report = {"cpu": cpu_info(), "dtype": args.dtype, "attacks": [], "fairness": {}}
@@ -171,10 +189,8 @@ def main() -> int:
         from text.tokenizer import Tokenizer
         tokenizer = Tokenizer.from_model_path("default")
         for name in args.policies.split(","):
-            policy, _, max_step_ms = name.partition(":")
-            with serving(settings(args, policy, float(max_step_ms) if max_step_ms
-                                  else None)) as (url, _):
-                report["fairness"][name] = asyncio.run(run_fairness(url, 5, tokenizer))
+            with serving(settings(args, *parse_policy(name))) as (url, _):
+                report["fairness"][name] = asyncio.run(run_fairness(url, 10, tokenizer))
             print(name, json.dumps(report["fairness"][name]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")

@@ -36,7 +36,7 @@ from config.schema import FolioConfig
 
 SCHEDULER_LIVE = ("max_num_seqs", "max_num_batched_tokens", "max_num_queued_requests",
                   "max_num_queued_tokens", "max_step_ms", "num_scheduler_steps",
-                  "max_run_ms")
+                  "max_run_ms", "fair_step_factor")
 OBSERVABILITY_LIVE = ("log_level", "trace_sample_ratio", "trace_step_detail")
 API_LIVE = ("api_keys", "public_metrics", "public_health_detail", "public_poll_interval_s",
             "max_n", "max_batch_prompts", "max_stop_strings", "max_logprobs", "tenant_weights",

@@ -112,6 +112,14 @@ class SchedulerConfig:
     policy: str = _f("fcfs", "fcfs (arrival order), priority (lower priority value first) "
                      "or fair (tenants share slots and tokens by weight: deficit round "
                      "robin, weights per request from api.tenant_weights)")
+    fair_step_factor: float = _f(2.0, "policy fair: while two or more tenants are "
+                                 "active (requests live, or within 10 s of their last), "
+                                 "every step is held to this many times the measured "
+                                 "step of a short prompt alone (the step a newcomer's "
+                                 "first token takes; with max_step_ms too the smaller "
+                                 "holds), decodes taken round robin when they alone "
+                                 "would exceed it, so another tenant's newcomer waits a "
+                                 "short step, not a flood's; 0: off")
     max_num_queued_requests: int = _f(1024, "served requests that may wait beyond the "
                                       "max_num_seqs running ones; past it new ones get 503 "
                                       "+ Retry-After (the engine core enforces it for all "
@@ -134,6 +142,8 @@ class SchedulerConfig:
                "must be at least 1")
         _check(self.max_run_ms is None or self.max_run_ms > 0, "scheduler.max_run_ms",
                "must be positive (or null)")
+        _check(self.fair_step_factor == 0 or self.fair_step_factor >= 1,
+               "scheduler.fair_step_factor", "must be 0 (off) or at least 1")
         _check(self.policy in POLICIES, "scheduler.policy",
                f"must be one of {POLICIES}, got {self.policy!r}")
 

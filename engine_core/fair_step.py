@@ -1,6 +1,11 @@
 """One step of the ``fair`` policy: how tenants share the token budget and the slots.
 
-    1. decodes of running requests, oldest first, one token each (as under fcfs)
+    1. decodes of running requests, oldest first, one token each (as under fcfs); under
+       a step bound (``max_step_ms``, or ``fair_step_factor`` while tenants share the
+       engine: Scheduler.step_bound_ms) only those predicted to fit, tenants
+       interleaved by weight and each tenant's least recently granted first, in half
+       the bound's room while prefill work waits: every running request still advances
+       every few steps, and a light tenant's decodes every step
     2. caps: the budget left is split over the tenants with prefill work (running
        prefill chunks, waiting requests that could start) by weighted DRR rounds
     3. running prefill chunks, oldest first, each within its tenant's cap
@@ -23,12 +28,14 @@ As under fcfs, a step that preempted for KV room admits nobody. Caps are soft: a
 withdrawn by a later preemption returns its tokens to the budget, not to the cap, and
 step 5 hands them out. Progress: decodes are never lost (a preempted request keeps its
 outputs); the oldest running request is never a victim while another runs
-(preemption_victims.py) and goes first in its pass; the split's order rotates between
+(preemption_victims.py) and goes first in its pass (bounded decodes go round robin
+instead: each waits at most as many steps as it takes the bound to hold them all); the
+split's order rotates between
 steps, so the rounding remainder (the one token a tiny cap may need) moves around.
 """
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable
 from itertools import islice
 from typing import TYPE_CHECKING
@@ -80,6 +87,7 @@ class FairPlanner:
         self.scheduler = scheduler
         self._num_steps = 0  # rotates who gets the rounding remainder of the caps
         self._was_first_token_step = False  # such steps alternate with ordinary ones
+        self._last_decoded: dict[str, int] = {}  # running decode -> step of its last grant
 
     def plan_step(self, plan: StepPlan) -> None:
         """Fill ``plan`` following steps 1-5 of the module docstring."""
@@ -92,7 +100,13 @@ class FairPlanner:
         by_age = sorted(s.running, key=age_key)
         decodes = [r for r in by_age if r.is_decoding]
         prefills = [r for r in by_age if not r.is_decoding]
+        decodes = self._decodes_within_bound(plan, decodes, bool(prefills or s.waiting))
         self._grant(decodes, plan)
+        self._last_decoded = {r.req_id: self._last_decoded.get(r.req_id, -1)
+                              for r in s.running}
+        for request in decodes:
+            if request.req_id in plan.num_scheduled_tokens:
+                self._last_decoded[request.req_id] = self._num_steps
         caps = self._caps(plan, prefills, self.measure_shares())
         self._grant(prefills, plan, caps)
         is_kv_preempted = plan.has_preemption
@@ -102,6 +116,51 @@ class FairPlanner:
         self._grant(prefills, plan, may_preempt=False)
         if not is_kv_preempted:
             self._admit_waiting(plan, self.measure_shares(), None, admitted)
+
+    def _decodes_within_bound(self, plan: StepPlan, decodes: list[Request],
+                              has_prefill_work: bool) -> list[Request]:
+        """The decodes this step runs: all of them, or under a step bound
+        (Scheduler.step_bound_ms) those predicted to fit it, least recently granted
+        first, tenants interleaved, with ``plan``'s budget resized beside them. A step's
+        fixed cost is taken as a short prompt's step alone (StepCost.short_step_ms;
+        until one was measured, decodes are not cut). While prefill work waits the
+        decodes get half of the bound above that cost, the prefills the rest (step 1
+        of the module docstring)."""
+        s = self.scheduler
+        bound, base_ms = s.step_bound_ms(), s.step_cost.short_step_ms
+        if bound is None or base_ms is None or len(decodes) <= 1:
+            return decodes
+        if has_prefill_work and bound > base_ms:
+            bound = base_ms + (bound - base_ms) / 2
+        order = self._decode_order(decodes)
+        num = s.step_cost.decodes_within(bound, [r.num_computed_tokens for r in order],
+                                         base_ms)
+        if num is None or num >= len(order):
+            return decodes
+        chosen = order[:num]
+        plan.token_budget = s.token_budget(chosen)
+        return chosen
+
+    def _decode_order(self, decodes: list[Request]) -> list[Request]:
+        """Decodes in the order a bound takes them: tenants interleaved by weight
+        (the tenant with the fewest taken per unit of weight next), each tenant's
+        least recently granted first."""
+        s = self.scheduler
+        queues: dict[Tenant, deque[Request]] = {}
+        for request in sorted(decodes, key=lambda r: (self._last_decoded.get(r.req_id, -1),
+                                                      age_key(r))):
+            queues.setdefault(request.tenant, deque()).append(request)
+        taken = dict.fromkeys(queues, 0)
+        order = []
+        while queues:
+            tenant = min(queues, key=lambda t: ((taken[t] + 1) / s.tenant_weights.weight(t),
+                                                _tenant_order(t)))
+            queue = queues[tenant]
+            order.append(queue.popleft())
+            taken[tenant] += 1
+            if not queue:
+                del queues[tenant]
+        return order
 
     def _plan_first_tokens(self, plan: StepPlan) -> bool:
         """A step of the newcomers' short requests alone (module docstring); False,

@@ -34,6 +34,7 @@ from engine_core.scheduler_output import SchedulerOutput
 from engine_core.spec.speculator import speculator_for
 from engine_core.step_cost import StepCost, StepShape
 from engine_core.step_plan import StepPlan
+from engine_core.tenant_activity import TenantActivity
 from engine_core.tenant_shares import TenantWeights
 
 
@@ -85,6 +86,7 @@ class Scheduler:
         self.num_preemptions = 0
         # Step times, learned always so that a retune to a max_step_ms acts at once.
         self.step_cost = StepCost()
+        self.tenant_activity = TenantActivity()
         self.clock = time.monotonic
         # (the step, its shape, its start, its decode steps): one step's time is learned
         self._timed_step: tuple[SchedulerOutput, StepShape, float, int] | None = None
@@ -135,6 +137,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step (the policy's planner decides the grants)."""
+        if self.config.policy == "fair":
+            self.tenant_activity.observe({r.tenant for r in self.running}
+                                         | set(self.waiting.tenants()), self.clock())
         plan = StepPlan(token_budget=self.token_budget())
         if self.lora is not None:
             for request in reversed(self.lora.begin_step(self.running)):
@@ -155,7 +160,7 @@ class Scheduler:
         if (self.config.num_scheduler_steps <= 1 or self.num_waiting
                 or not is_plain_run(plan, self.running)):
             return
-        max_run_ms = min((b for b in (self.config.max_step_ms, self.config.max_run_ms)
+        max_run_ms = min((b for b in (self.step_bound_ms(), self.config.max_run_ms)
                           if b is not None), default=None)
         num_steps = steps_within(self.config.num_scheduler_steps, max_run_ms, self.step_cost,
                                  self.running)
@@ -163,17 +168,36 @@ class Scheduler:
             grant_decode_steps(plan, self.running, num_steps, self.kv_cache_manager,
                                self.max_model_len)
 
-    def token_budget(self) -> int:
-        """This step's token budget: ``max_num_batched_tokens``, or with
-        ``max_step_ms`` set, the running decodes plus the prefill tokens predicted to
-        fit beside them within it (engine_core/step_cost.py)."""
+    def step_bound_ms(self) -> float | None:
+        """The time this step is held to: ``max_step_ms``, and under ``fair`` while
+        two or more tenants are active (tenant_activity.py) ``fair_step_factor``
+        times the measured step of a short prompt alone (StepCost.short_step_ms): a
+        newcomer then waits at most about that many of its own steps for the step in
+        flight; the smaller of the two; None: no bound, as always with chunked prefill
+        off (a prompt must then go whole: a lowered budget would starve it)."""
+        if not self.config.enable_chunked_prefill:
+            return None
+        bound = self.config.max_step_ms
+        factor = self.config.fair_step_factor
+        short_ms = self.step_cost.short_step_ms
+        if (self.config.policy == "fair" and factor > 0 and short_ms is not None
+                and self.tenant_activity.num_active(self.clock()) >= 2):
+            bound = factor * short_ms if bound is None else min(bound, factor * short_ms)
+        return bound
+
+    def token_budget(self, decodes: list[Request] | None = None) -> int:
+        """This step's token budget: ``max_num_batched_tokens``, or under a step bound
+        (``step_bound_ms``) the ``decodes`` (default: every running decode) plus the
+        prefill tokens predicted to fit beside them (engine_core/step_cost.py)."""
         budget = self.config.max_num_batched_tokens
-        if self.config.max_step_ms is None:
+        bound = self.step_bound_ms()
+        if bound is None:
             return budget
-        decodes = [r for r in self.running if r.is_decoding]
+        if decodes is None:
+            decodes = [r for r in self.running if r.is_decoding]
         num_prefill = self.step_cost.prefill_tokens_within(
-            self.config.max_step_ms, len(decodes),
-            sum(r.num_computed_tokens for r in decodes), self.block_size)
+            bound, len(decodes), sum(r.num_computed_tokens for r in decodes),
+            self.block_size)
         return budget if num_prefill is None else min(budget, len(decodes) + num_prefill)
 
     def _shape_of(self, plan: StepPlan) -> StepShape:
@@ -181,7 +205,8 @@ class Scheduler:
         one step of a run of decode steps."""
         if plan.num_decode_steps > 1:
             decodes = [self.requests[r] for r in plan.num_scheduled_tokens]
-            return StepShape(0, len(decodes), sum(r.num_computed_tokens for r in decodes))
+            return StepShape(0, len(decodes), sum(r.num_computed_tokens for r in decodes),
+                             len(decodes))
         num_prefill = num_decode = context = 0
         for req_id, num in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
@@ -190,7 +215,7 @@ class Scheduler:
                 context += request.num_computed_tokens
             else:
                 num_prefill += num
-        return StepShape(num_prefill, num_decode, context)
+        return StepShape(num_prefill, num_decode, context, len(plan.num_scheduled_tokens))
 
     def num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         """Tokens ``request`` can compute from ``num_computed`` within ``budget``."""

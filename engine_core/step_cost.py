@@ -12,9 +12,11 @@ steps come out shorter than needed, and those, being different, resolve the fit.
 The scheduler asks, before planning, how many prefill tokens fit the target beside the
 decodes it will run anyway. That bounds every step, and so bounds how long a newcomer
 waits for the step in flight before its own can start: with 2,048-token prefill chunks
-a step takes over a second on a 2-core CPU. Decodes are never cut (they are the running
-requests' progress); when they alone exceed the target, prefills still get
-``min_prefill_tokens`` a step so that waiting requests keep starting.
+a step takes over a second on a 2-core CPU. Under ``fcfs`` and ``priority`` decodes are
+never cut (they are the running requests' progress); when they alone exceed the target,
+prefills still get ``min_prefill_tokens`` a step so that waiting requests keep starting.
+The ``fair`` planner may run only some of the decodes in a bounded step, round robin
+(``decodes_within``; fair_step.py).
 """
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from dataclasses import dataclass
 DECAY = 0.97       # weight of a step one step older (about the last 30 steps count)
 MIN_STEPS = 4      # steps seen before any prediction
 _RIDGE = 1e-3      # relative to the mean diagonal of the normal equations
+SHORT_PROMPT_TOKENS = 256  # a prompt this short runs alone in about the fixed cost
+SHORT_STEP_WEIGHT = 0.2    # weight of the newest such step in ``short_step_ms``
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +36,14 @@ class StepShape:
     num_prefill_tokens: int
     num_decode_tokens: int
     decode_context: int  # tokens the decodes attend to, summed over them
+    num_requests: int = 0  # requests granted tokens (0: not counted)
+
+    @property
+    def is_short_prompt_alone(self) -> bool:
+        """One request's prompt of at most ``SHORT_PROMPT_TOKENS``, nothing else: the
+        step a newcomer's first token takes when it runs alone."""
+        return (self.num_requests == 1 and self.num_decode_tokens == 0
+                and 0 < self.num_prefill_tokens <= SHORT_PROMPT_TOKENS)
 
     def features(self) -> tuple[float, float, float, float]:
         # scaled to be of order one at typical sizes, so the ridge treats them alike
@@ -67,6 +79,12 @@ class StepCost:
         self._xty = [0.0] * 4
         self._weights: list[float] | None = None  # None: refit before the next use
         self.num_steps = 0
+        # The measured time of a short prompt's step alone (StepShape
+        # .is_short_prompt_alone), a moving average; None until one ran. The fit's
+        # fixed cost cannot stand in for it: a CPU decode-only step runs fused layers,
+        # cheaper than the prefill path, and runs of alike steps leave the fit's split
+        # between the fixed and the per-token costs to the ridge.
+        self.short_step_ms: float | None = None
 
     def observe(self, shape: StepShape, elapsed_ms: float) -> None:
         """Add one step's measured time to the fit."""
@@ -78,6 +96,9 @@ class StepCost:
                 row[j] = DECAY * row[j] + x[i] * x[j]
         self.num_steps += 1
         self._weights = None
+        if shape.is_short_prompt_alone:
+            self.short_step_ms = elapsed_ms if self.short_step_ms is None else (
+                (1 - SHORT_STEP_WEIGHT) * self.short_step_ms + SHORT_STEP_WEIGHT * elapsed_ms)
 
     def weights(self) -> list[float] | None:
         """Fitted ms per unit of each feature; None until ``MIN_STEPS`` steps."""
@@ -108,3 +129,21 @@ class StepCost:
         base = self.predict_ms(StepShape(0, num_decode_tokens, decode_context))
         per_token = w[1] / 1024
         return max(min_prefill_tokens, int((max_step_ms - base) / per_token))
+
+    def decodes_within(self, max_step_ms: float, contexts: list[int],
+                       base_ms: float) -> int | None:
+        """How many of the decodes with these ``contexts`` (in the order given) fit in
+        ``max_step_ms`` beside a fixed cost of ``base_ms``, each priced at the fit's
+        cost of one more decode: at least one; None (no bound) while the fit is not
+        ready or prices decodes at nothing. The fit's own fixed cost is the least
+        certain of its weights (module docstring), so the caller passes a measured one."""
+        w = self.weights()
+        if w is None or w[2] <= 0.0:
+            return None
+        per_decode, per_context = w[2] / 64, max(0.0, w[3]) / 65536
+        total = base_ms
+        for num, context in enumerate(contexts):
+            total += per_decode + per_context * context
+            if total > max_step_ms:
+                return max(1, num)
+        return len(contexts)

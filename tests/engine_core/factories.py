@@ -33,12 +33,15 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_model_len: int
                    hash_algorithm: str = "sha256",
                    max_step_ms: float | None = None,
                    num_scheduler_steps: int = 1,
-                   max_run_ms: float | None = None) -> Scheduler:
+                   max_run_ms: float | None = None,
+                   fair_step_factor: float = 0.0) -> Scheduler:
+    """A Scheduler; the fair step bound is off unless asked for (it reads step times,
+    which a test must drive on a clock of its own)."""
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                         enable_chunked_prefill=enable_chunked_prefill, policy=policy,
                         max_step_ms=max_step_ms, num_scheduler_steps=num_scheduler_steps,
-                        max_run_ms=max_run_ms),
+                        max_run_ms=max_run_ms, fair_step_factor=fair_step_factor),
         CacheConfig(enable_prefix_caching=enable_prefix_caching, hash_algorithm=hash_algorithm),
         num_blocks, block_size, max_model_len)
 
@@ -49,12 +52,15 @@ def make_engine(num_blocks: int = 64, block_size: int = 4, max_model_len: int = 
                 enable_prefix_caching: bool = True, eos_token_ids=(), vocab_size=None,
                 token_fn=default_token_fn, speculative_config=None,
                 draft_fn=None, num_scheduler_steps: int = 1,
-                max_run_ms: float | None = None) -> EngineCore:
+                max_run_ms: float | None = None,
+                fair_step_factor: float = 0.0) -> EngineCore:
+    """An EngineCore on the fake executor (the fair step bound off unless asked for)."""
     executor = FakeExecutor(block_size, token_fn, draft_fn)
     return EngineCore(
         SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                         enable_chunked_prefill=enable_chunked_prefill, policy=policy,
-                        num_scheduler_steps=num_scheduler_steps, max_run_ms=max_run_ms),
+                        num_scheduler_steps=num_scheduler_steps, max_run_ms=max_run_ms,
+                        fair_step_factor=fair_step_factor),
         CacheConfig(enable_prefix_caching=enable_prefix_caching),
         num_blocks, block_size, max_model_len, executor, eos_token_ids, vocab_size,
         speculative_config=speculative_config)

@@ -20,11 +20,25 @@ fair_ops = st.lists(st.one_of(fair_add, fair_add, st.tuples(st.just("abort"),
 
 @st.composite
 def fair_configs(draw):
-    return {**draw(configs()), "policy": "fair"}
+    return {**draw(configs()), "policy": "fair",
+            "fair_step_factor": draw(st.sampled_from([0.0, 1.0, 2.0]))}
 
 
 class FairHarness(Harness):
-    """Harness with tenants; also checks the queue and the no-thrash rule each step."""
+    """Harness with tenants; also checks the queue and the no-thrash rule each step.
+    Steps take 2 ms plus 3 ms a token on the scheduler's clock, so that the fair step
+    bound (fair_step_factor) cuts decodes deterministically."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        clock = [0.0]
+        self.sched.clock = lambda: clock[0]
+        execute = self.engine.executor.execute_model
+
+        def timed(so):
+            clock[0] += (2.0 + 3.0 * so.total_num_scheduled_tokens) / 1000.0
+            return execute(so)
+        self.engine.executor.execute_model = timed
 
     def add_op(self, op):
         *fields, tenant, weight = op[1:]

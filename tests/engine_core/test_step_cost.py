@@ -85,16 +85,21 @@ def flooded_scheduler(policy, max_step_ms, max_num_seqs, num_requests, prompt_le
 def test_steps_stay_within_max_step_ms_once_learned(policy):
     """A tenant floods 24 prompts of 1,000 tokens; uncapped, steps carry 2,048 prefill
     tokens (1.8 s on this machine). With max_step_ms = 120 every step after the first
-    few stays within 120 ms plus one prediction error, decodes are never cut, and every
-    request still finishes."""
+    few stays within 120 ms plus one prediction error, every request still finishes,
+    and decodes are never cut under fcfs; under fair (round robin) none waits more
+    than a step while the fit is being learned."""
     sched, executor, clock = flooded_scheduler(policy, 120.0, 32, num_requests=24,
                                                prompt_len=1000, max_tokens=24)
     times, steps = [], 0
+    skipped: dict[str, int] = {}  # running decode -> steps it was left out in a row
     while sched.has_unfinished_requests() and steps < 2000:
-        running_decodes = sum(1 for r in sched.running
-                              if r.num_tokens - r.num_computed_tokens <= 1)
+        running_decodes = [r.req_id for r in sched.running
+                           if r.num_tokens - r.num_computed_tokens <= 1]
         so, shape, _ = run_timed_step(sched, executor, clock)
-        assert shape.num_decode_tokens == running_decodes  # decodes are never cut
+        for req_id in running_decodes:
+            skipped[req_id] = 0 if req_id in so.num_scheduled_tokens else \
+                skipped.get(req_id, 0) + 1
+        assert max(skipped.values(), default=0) <= (0 if policy == "fcfs" else 1)
         times.append(linear_ms(shape))
         steps += 1
     assert not sched.has_unfinished_requests()
