@@ -266,10 +266,12 @@ def run(args) -> dict:
               max_model_len=args.context + args.warmup_steps + args.steps + 64,
               enable_prefix_caching=False, kv_cache_bytes=int(args.kv_cache_gib * 1024 ** 3),
               **{"observability.log_level": "warning",
-                 "worker.linear_backend": args.linear_backend})
+                 "worker.linear_backend": args.linear_backend,
+                 "memory.kv_cache_dtype": args.kv_cache_dtype})
     runner = llm.runner
     layers = linear_layers(runner.model)
     result.update(dtype=str(runner.dtype), quantization=runner.quantization,
+                  kv_cache_dtype=args.kv_cache_dtype,
                   linear_backend=args.linear_backend,
                   fused_decode=runner.model.fused_decode is not None,
                   linear_table=runner.linear_table, threads=torch.get_num_threads())
@@ -324,6 +326,8 @@ def main(argv=None):
                          "slower: time_decode_steps)")
     ap.add_argument("--repeats", type=int, default=3, help="linear-layer passes (best)")
     ap.add_argument("--kv-cache-gib", type=float, default=1.0)
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="memory.kv_cache_dtype: auto (the model's) | fp8 | int8 | ...")
     ap.add_argument("--serve", action="store_true", help="single stream via folio serve")
     ap.add_argument("--llama-bench", action="store_true",
                     help="llama.cpp llama-bench tg128, same GGUF and threads")
