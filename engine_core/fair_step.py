@@ -30,8 +30,8 @@ step 5 hands them out. Progress: decodes are never lost (a preempted request kee
 outputs); the oldest running request is never a victim while another runs
 (preemption_victims.py) and goes first in its pass (bounded decodes go round robin
 instead: each waits at most as many steps as it takes the bound to hold them all); the
-split's order rotates between
-steps, so the rounding remainder (the one token a tiny cap may need) moves around.
+split's order rotates between steps, so the rounding remainder (the one token a tiny
+cap may need) moves around.
 """
 from __future__ import annotations
 
