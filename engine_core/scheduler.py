@@ -34,7 +34,7 @@ from engine_core.scheduler_output import SchedulerOutput
 from engine_core.spec.speculator import speculator_for
 from engine_core.step_cost import StepCost, StepShape
 from engine_core.step_plan import StepPlan
-from engine_core.tenant_activity import TenantActivity
+from engine_core.tenant_activity import FOLLOW_UP_FACTOR, TenantActivity
 from engine_core.tenant_shares import TenantWeights
 
 
@@ -173,15 +173,20 @@ class Scheduler:
         two or more tenants are active (tenant_activity.py) ``fair_step_factor``
         times the measured step of a short prompt alone (StepCost.short_step_ms): a
         newcomer then waits at most about that many of its own steps for the step in
-        flight; the smaller of the two; None: no bound, as always with chunked prefill
-        off (a prompt must then go whole: a lowered budget would starve it)."""
+        flight; ``FOLLOW_UP_FACTOR`` times it just after a tenant's last request ended
+        (tenant_activity.py: its next one is likeliest then); the smaller of the two;
+        None: no bound, as always with chunked prefill off (a prompt must then go
+        whole: a lowered budget would starve it)."""
         if not self.config.enable_chunked_prefill:
             return None
         bound = self.config.max_step_ms
         factor = self.config.fair_step_factor
         short_ms = self.step_cost.short_step_ms
+        now = self.clock()
         if (self.config.policy == "fair" and factor > 0 and short_ms is not None
-                and self.tenant_activity.num_active(self.clock()) >= 2):
+                and self.tenant_activity.num_active(now) >= 2):
+            if self.tenant_activity.expects_follow_up(now):
+                factor = min(factor, FOLLOW_UP_FACTOR)
             bound = factor * short_ms if bound is None else min(bound, factor * short_ms)
         return bound
 
@@ -396,7 +401,8 @@ class Scheduler:
             self.speculator.forget(request)
         self._forget_runner_state(request)
         del self.requests[request.req_id]
-        self.tenant_weights.remove(request)
+        if self.tenant_weights.remove(request) and self.config.policy == "fair":
+            self.tenant_activity.went_idle(request.tenant, self.clock())
         if request.parent_req_id is not None:
             siblings = self._children[request.parent_req_id]
             siblings.remove(request.req_id)

@@ -24,11 +24,14 @@ class TenantWeights:
         self._weights[request.tenant] = request.tenant_weight
         self._num_live[request.tenant] += 1
 
-    def remove(self, request: Request) -> None:
+    def remove(self, request: Request) -> bool:
+        """Forget one ended request; True when it was its tenant's last live one."""
         tenant = request.tenant
         self._num_live[tenant] -= 1
         if self._num_live[tenant] <= 0:
             del self._num_live[tenant], self._weights[tenant]
+            return True
+        return False
 
     def weight(self, tenant: Tenant) -> float:
         """``tenant``'s weight (1.0 for a tenant with no live request)."""

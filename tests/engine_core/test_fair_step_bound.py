@@ -4,7 +4,8 @@ tenants interleaved (engine_core/fair_step.py, tenant_activity.py, step_cost.py)
 import pytest
 
 from engine_core.step_cost import SHORT_PROMPT_TOKENS, StepCost, StepShape
-from engine_core.tenant_activity import WINDOW_S, TenantActivity
+from engine_core.tenant_activity import (FOLLOW_UP_FACTOR, FOLLOW_UP_S, WINDOW_S,
+                                         TenantActivity)
 from tests.engine_core.factories import make_request, make_scheduler
 from tests.engine_core.fake_executor import FakeExecutor
 from tests.engine_core.test_step_cost import linear_ms, random_shape, run_timed_step
@@ -19,6 +20,19 @@ def test_a_tenant_counts_for_the_window_after_it_was_last_seen():
     assert activity.num_active(100.0 + WINDOW_S + 0.5) == 1  # B's window ran out
     activity.observe([None], now=120.0)  # the anonymous tenant counts like any other
     assert activity.num_active(120.0) == 1  # A's ran out too
+
+
+def test_a_follow_up_is_expected_briefly_after_a_tenant_went_idle():
+    activity = TenantActivity()
+    activity.observe(["A", "B"], now=1.0)
+    assert not activity.expects_follow_up(1.0)
+    activity.went_idle("B", now=2.0)
+    assert activity.expects_follow_up(2.0 + FOLLOW_UP_S / 2)
+    assert not activity.expects_follow_up(2.0 + FOLLOW_UP_S * 1.5)
+    activity.went_idle("B", now=3.0)
+    activity.observe(["A", "B"], now=3.01)  # B's next request came
+    assert not activity.expects_follow_up(3.02)
+    assert activity.num_active(3.02) == 2
 
 
 def test_short_step_ms_follows_only_a_short_prompt_alone():
@@ -135,3 +149,25 @@ def test_fair_step_factor_is_live():
     sched.config = dataclasses.replace(sched.config, fair_step_factor=4.0)
     _, shape, _ = run_timed_step(sched, executor, clock)
     assert shape.num_decode_tokens < 49
+
+
+def test_steps_right_after_a_tenant_went_idle_are_one_short_step():
+    """B's request ends: for FOLLOW_UP_S the flood's steps are held to about one short
+    step (B's next request would wait for one of those), then to the factor again;
+    B's next request ends the window at once."""
+    sched, executor, clock = flood_and_newcomer(4.0)
+    _, shape, _ = run_timed_step(sched, executor, clock)
+    short_ms = linear_ms(shape)
+    held = []
+    while "b0" in sched.requests:
+        held.append(linear_ms(run_timed_step(sched, executor, clock)[1]))
+    assert max(held) > 2 * short_ms  # held to 4 short steps while B ran
+    _, shape, _ = run_timed_step(sched, executor, clock)
+    assert linear_ms(shape) <= FOLLOW_UP_FACTOR * short_ms * 1.05
+    clock[0] += FOLLOW_UP_S
+    _, shape, _ = run_timed_step(sched, executor, clock)
+    assert 2 * short_ms < linear_ms(shape) <= 4 * short_ms * 1.05
+    sched.add_request(make_request("b1", [800_000 + t for t in range(9)], max_tokens=2,
+                                   tenant="B"))
+    so, _, _ = run_timed_step(sched, executor, clock)
+    assert list(so.num_scheduled_tokens) == ["b1"]
