@@ -188,10 +188,11 @@ def main() -> int:
     if not args.no_fairness:
         from text.tokenizer import Tokenizer
         tokenizer = Tokenizer.from_model_path("default")
-        for name in args.policies.split(","):
+        for i, name in enumerate(args.policies.split(",")):
+            key = name if name not in report["fairness"] else f"{name}#{i + 1}"  # repeats
             with serving(settings(args, *parse_policy(name))) as (url, _):
-                report["fairness"][name] = asyncio.run(run_fairness(url, 10, tokenizer))
-            print(name, json.dumps(report["fairness"][name]), flush=True)
+                report["fairness"][key] = asyncio.run(run_fairness(url, 10, tokenizer))
+            print(key, json.dumps(report["fairness"][key]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
