@@ -32,7 +32,7 @@ from engine_core.request_queue import RequestQueue
 from engine_core.sampling_params import InvalidRequestError
 from engine_core.scheduler_output import SchedulerOutput
 from engine_core.spec.speculator import speculator_for
-from engine_core.step_cost import StepCost, StepShape
+from engine_core.step_cost import SHORT_PROMPT_TOKENS, StepCost, StepShape
 from engine_core.step_plan import StepPlan
 from engine_core.tenant_activity import FOLLOW_UP_FACTOR, TenantActivity
 from engine_core.tenant_shares import TenantWeights
@@ -210,8 +210,7 @@ class Scheduler:
         one step of a run of decode steps."""
         if plan.num_decode_steps > 1:
             decodes = [self.requests[r] for r in plan.num_scheduled_tokens]
-            return StepShape(0, len(decodes), sum(r.num_computed_tokens for r in decodes),
-                             len(decodes))
+            return StepShape(0, len(decodes), sum(r.num_computed_tokens for r in decodes))
         num_prefill = num_decode = context = 0
         for req_id, num in plan.num_scheduled_tokens.items():
             request = self.requests[req_id]
@@ -220,7 +219,17 @@ class Scheduler:
                 context += request.num_computed_tokens
             else:
                 num_prefill += num
-        return StepShape(num_prefill, num_decode, context, len(plan.num_scheduled_tokens))
+        return StepShape(num_prefill, num_decode, context, self._is_short_prompt_alone(plan))
+
+    def _is_short_prompt_alone(self, plan: StepPlan) -> bool:
+        """Whether ``plan`` is one newcomer's whole short prompt and nothing else
+        (StepShape.is_short_prompt_alone)."""
+        if len(plan.num_scheduled_tokens) != 1 or len(plan.new_reqs) != 1:
+            return False
+        request = plan.new_reqs[0]
+        num = plan.num_scheduled_tokens.get(request.req_id, 0)
+        return (0 < num <= SHORT_PROMPT_TOKENS
+                and request.num_computed_tokens + num == request.num_tokens)
 
     def num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         """Tokens ``request`` can compute from ``num_computed`` within ``budget``."""

@@ -36,14 +36,10 @@ class StepShape:
     num_prefill_tokens: int
     num_decode_tokens: int
     decode_context: int  # tokens the decodes attend to, summed over them
-    num_requests: int = 0  # requests granted tokens (0: not counted)
-
-    @property
-    def is_short_prompt_alone(self) -> bool:
-        """One request's prompt of at most ``SHORT_PROMPT_TOKENS``, nothing else: the
-        step a newcomer's first token takes when it runs alone."""
-        return (self.num_requests == 1 and self.num_decode_tokens == 0
-                and 0 < self.num_prefill_tokens <= SHORT_PROMPT_TOKENS)
+    # The step is one request's whole prompt (what the prefix cache did not hold) of
+    # at most SHORT_PROMPT_TOKENS and nothing else: the step a newcomer's first token
+    # takes when it runs alone (not a chunk of a long prompt, which may also run alone).
+    is_short_prompt_alone: bool = False
 
     def features(self) -> tuple[float, float, float, float]:
         # scaled to be of order one at typical sizes, so the ridge treats them alike

@@ -41,16 +41,31 @@ def test_short_step_ms_follows_only_a_short_prompt_alone():
     rng = random.Random(3)
     for _ in range(20):
         shape = random_shape(rng)
-        cost.observe(StepShape(shape.num_prefill_tokens, shape.num_decode_tokens,
-                               shape.decode_context, 5), linear_ms(shape))
-    cost.observe(StepShape(SHORT_PROMPT_TOKENS + 1, 0, 0, 1), 500.0)  # too long
-    cost.observe(StepShape(9, 1, 100, 2), 30.0)  # not alone
-    cost.observe(StepShape(0, 1, 100, 1), 10.0)  # a decode, not a prompt
+        cost.observe(shape, linear_ms(shape))
     assert cost.short_step_ms is None
-    cost.observe(StepShape(9, 0, 0, 1), 20.0)
+    cost.observe(StepShape(9, 0, 0, True), 20.0)
     assert cost.short_step_ms == 20.0
-    cost.observe(StepShape(30, 0, 0, 1), 40.0)  # a moving average
+    cost.observe(StepShape(30, 0, 0, True), 40.0)  # a moving average
     assert 20.0 < cost.short_step_ms < 40.0
+
+
+def test_only_a_whole_short_prompt_alone_counts_as_a_short_step():
+    """The scheduler marks a step of one newcomer's whole short prompt, not a chunk of
+    a long prompt running alone, nor a short prompt beside a decode."""
+    sched = make_scheduler(num_blocks=400, block_size=16, max_model_len=2048,
+                           max_num_batched_tokens=SHORT_PROMPT_TOKENS, max_num_seqs=8,
+                           policy="fair")
+    executor = FakeExecutor(16)
+    sched.add_request(make_request("long", SHORT_PROMPT_TOKENS + 40, max_tokens=3))
+    marks = []
+    while sched.has_unfinished_requests():
+        so = sched.schedule()
+        marks.append(sched._timed_step[1].is_short_prompt_alone)
+        sched.update_from_output(so, executor.execute_model(so))
+    assert marks == [False] * len(marks)  # 256 + 40 in two chunks, then decodes
+    sched.add_request(make_request("short", [7000 + t for t in range(9)], max_tokens=2))
+    so = sched.schedule()
+    assert sched._timed_step[1].is_short_prompt_alone
 
 
 def test_decodes_within_prices_each_decode_at_the_fit():
