@@ -119,7 +119,9 @@ class SchedulerConfig:
                                  "first token takes; with max_step_ms too the smaller "
                                  "holds), decodes taken round robin when they alone "
                                  "would exceed it, so another tenant's newcomer waits a "
-                                 "short step, not a flood's (chunked prefill on only); 0: off")
+                                 "short step, not a flood's; for 100 ms after a tenant's "
+                                 "last request ended, one such step (its next request is "
+                                 "likeliest then); chunked prefill on only; 0: off")
     max_num_queued_requests: int = _f(1024, "served requests that may wait beyond the "
                                       "max_num_seqs running ones; past it new ones get 503 "
                                       "+ Retry-After (the engine core enforces it for all "
