@@ -13,6 +13,8 @@ answered it):
     folio:api_body_rate_held_total               bodies held unread past their tenant's
                                                  rate (body_rate.py)
     folio:api_body_rate_refusals_total           bodies refused 429 for that rate
+    folio:api_body_rate_invalid_total            bodies refused 400 as invalid, charged
+                                                 4x of that rate
     folio:api_public_polls_held_total            keyless /health or /metrics polls held
                                                  for their connection's pace
                                                  (public_pacing.py)
@@ -60,6 +62,10 @@ class _Collector:
                 ("api_body_rate_refusals",
                  "Requests refused (429) past their tenant's body rate",
                  self.rate.num_refused),
+                ("api_body_rate_invalid",
+                 "Request bodies refused as invalid (400), charged more of their "
+                 "tenant's body rate",
+                 self.rate.num_invalid),
                 ("api_public_polls_held",
                  "Keyless /health or /metrics requests held for their connection's pace",
                  self.pacing.num_held)):

@@ -41,6 +41,8 @@ from services.api.tokenizer_pool import TokenizerPool
 from services.api.vllm_routes import VLLMRoutes
 from text.tokenizer import Tokenizer
 
+BODY_BYTES = web.RequestKey("folio.body_bytes", int)  # the request body's size, once read
+
 VERSION = "0.1.0"
 
 
@@ -84,8 +86,8 @@ class APIServer:
     def app(self) -> web.Application:
         self.auth = auth = Authenticator(self.api_keys, self.public_paths())
         # auth first: a caller without a key learns nothing, not even that we are busy
-        app = web.Application(middlewares=[auth.middleware, error_middleware,
-                                           self.admission.middleware],
+        app = web.Application(middlewares=[auth.middleware, self._charge_invalid_bodies,
+                                           error_middleware, self.admission.middleware],
                               client_max_size=self.api.max_body_bytes)
         app.on_cleanup.append(self._close)
         app[CONNECTION_GUARD] = self.connections
@@ -119,6 +121,15 @@ class APIServer:
         self.tokens.close()
         self.grammars.close()
 
+    @web.middleware
+    async def _charge_invalid_bodies(self, request: web.Request, handler):
+        """A request whose body was read and then answered 400 costs its tenant more
+        of its body rate (BodyRate.charge_invalid)."""
+        response = await handler(request)
+        if response.status == 400 and (num_bytes := request.get(BODY_BYTES)):
+            self.body_rate.charge_invalid(request.get(TENANT), num_bytes)
+        return response
+
     async def _body(self, request) -> dict:
         tenant = request.get(TENANT)
         declared = request.content_length or 0
@@ -128,6 +139,7 @@ class APIServer:
         await self.body_rate.admit(tenant, declared)
         with self.body_budget.reservation() as reservation:
             raw = await read_body(request, self.api.max_body_bytes, reservation)
+            request[BODY_BYTES] = len(raw)
             if request.content_length is None:  # chunked: charged once its size is known
                 self.body_rate.take(tenant, len(raw), may_borrow=True)
             body = parse_json_object(raw, self.api.max_json_values)

@@ -23,7 +23,11 @@ could) before a byte is read, and nothing is charged. A body refused for its dec
 size (413) is charged what it declared, its answer held the same way: aiohttp drains a
 refused body to keep the connection, so a client re-sending one would otherwise cost
 the loop its bytes at no rate at all. A chunked body is charged what it turned out to
-be once read, so its tenant may go into debt and wait longer next time. Buckets are
+be once read, so its tenant may go into debt and wait longer next time. A body read
+and then refused as invalid (400: too many values, a prompt too long, a parameter past
+its bound) costs ``INVALID_BODY_COST`` times its bytes, the rest as debt (at most one
+burst): a client that keeps sending bodies it knows are refused slows to a fraction of
+the rate, and a well-formed client never pays it. Buckets are
 per API process: with ``services.num_api_servers`` processes a tenant may send that
 many times the rate.
 """
@@ -44,6 +48,9 @@ def rate_limited(retry_after_s: float) -> APIError:
                     headers={"Retry-After": str(seconds)})
 
 
+INVALID_BODY_COST = 4  # an invalid body costs its tenant this many times its bytes
+
+
 class BodyRate:
     """Per-tenant token buckets over request-body bytes."""
 
@@ -58,6 +65,7 @@ class BodyRate:
         self._buckets: dict[str, tuple[float, float]] = {}  # tenant -> (level, at)
         self.num_refused = 0  # answered 429
         self.num_held = 0  # held back until the bucket covered them
+        self.num_invalid = 0  # read, then refused as invalid (charged INVALID_BODY_COST x)
 
     def _level(self, tenant: str, now: float) -> float:
         level, at = self._buckets.get(tenant, (self.burst_bytes, now))
@@ -70,6 +78,13 @@ class BodyRate:
         if (wait := await self._hold_until_covered(tenant, num_bytes)) > 0:
             self.num_refused += 1
             raise rate_limited(wait)
+
+    def charge_invalid(self, tenant: str | None, num_bytes: int) -> None:
+        """A body of ``num_bytes``, read and charged, was refused as invalid: charge
+        its tenant ``INVALID_BODY_COST - 1`` times more (at most one burst), as debt."""
+        self.num_invalid += 1
+        self.take(tenant, min((INVALID_BODY_COST - 1) * num_bytes, self.burst_bytes),
+                  may_borrow=True)
 
     async def charge_refused(self, tenant: str | None, num_bytes: int) -> None:
         """A body refused for its declared size still costs its tenant those bytes (at

@@ -218,3 +218,46 @@ def test_a_tenant_over_its_rate_is_slowed_to_it_and_another_is_served_at_once(
 def test_a_held_body_waits_at_most_half_its_read_time():
     assert APIConfig().body_hold_s == 5.0
     assert APIConfig(body_timeout_s=4.0, tenant_body_max_wait_s=5.0).body_hold_s == 2.0
+
+
+def test_an_invalid_body_costs_its_tenant_four_times_its_bytes():
+    from services.api.body_rate import INVALID_BODY_COST
+    clock = Clock()
+    rate = BodyRate(bytes_per_s=1000, burst_bytes=10_000, clock=clock)
+    rate.take("a", 2000)  # read
+    rate.charge_invalid("a", 2000)  # then refused: 3 x 2000 more
+    assert INVALID_BODY_COST == 4 and rate.num_invalid == 1
+    rate.take("a", 2000)  # 10,000 - 8,000 = 2,000 left
+    with pytest.raises(APIError):
+        rate.take("a", 1)
+    rate.take("b", 10_000)  # another tenant's bucket is untouched
+    clock.now = 10.0  # refilled
+    rate.charge_invalid("a", 10**9)  # at most one burst: debt of 10,000, not 3 GB
+    clock.now = 20.0
+    rate.take("a", 10_000)
+
+
+def test_a_refused_invalid_body_slows_its_tenant_but_not_another(smollm_tokenizer):
+    """A 60 KB body refused 400 costs tenant A 240 KB of a 200 KB/s rate: A's next
+    valid body is held about a second; B, and a well-formed A before, pay nothing
+    extra."""
+    limits = APIConfig(max_body_bytes=64 * 1024, tenant_body_bytes_per_s=200 * 1024,
+                       tenant_body_burst_bytes=256 * 1024, tenant_body_max_wait_s=3.0)
+    invalid = json.dumps({"prompt": "Hi", "user": "u" * 60_000, "max_tokens": -1})
+
+    async def main():
+        async with _two_tenants(smollm_tokenizer, limits) as (url, engine, s):
+            loop = asyncio.get_running_loop()
+            assert (await _post(s, url, A, BIG))[0] == 200
+            status, _, body = await _post(s, url, A, invalid)
+            assert status == 400 and body["error"]["param"] == "max_tokens"
+            t0 = loop.time()
+            assert (await _post(s, url, B, BIG))[0] == 200
+            assert loop.time() - t0 < 0.5
+            t0 = loop.time()
+            assert (await _post(s, url, A, BIG))[0] == 200  # 240 + 60 + 60 KB > 256
+            assert 0.4 < loop.time() - t0 < 2.5
+            m = await metrics(url, {"Authorization": f"Bearer {B}"})
+            assert m["folio:api_body_rate_invalid_total"] == 1
+            assert m["folio:api_body_rate_held_total"] == 1
+    asyncio.run(main())
