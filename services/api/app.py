@@ -2,9 +2,11 @@
 
     connection (connection_handler.py: deadlines, framing; connection_guard.py: cap)
     ─▶ [Expect: 100-continue (expect_continue.py)]
-    ─▶ auth (auth.py) ─▶ errors (errors.py) ─▶ admission (admission.py) ─▶ route
+    ─▶ auth (auth.py) ─▶ invalid-body charge ─▶ errors (errors.py)
+    ─▶ admission (admission.py) ─▶ route
 A completion or chat route reads its body within the process's body budget
-(body_budget.py), validates it (request_validation.py) and, counted in flight from
+(body_budget.py) and its tenant's body rate (body_rate.py; a body answered 400 once
+read costs more of it), validates it (request_validation.py) and, counted in flight from
 then on, hands it to a :class:`Generation` (generation.py), which tokenizes (on the
 process's tokenizer threads, tokenizer_pool.py), runs and answers it; the other routes
 answer from the tokenizer or the engine core's gauges.

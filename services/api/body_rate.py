@@ -82,6 +82,8 @@ class BodyRate:
     def charge_invalid(self, tenant: str | None, num_bytes: int) -> None:
         """A body of ``num_bytes``, read and charged, was refused as invalid: charge
         its tenant ``INVALID_BODY_COST - 1`` times more (at most one burst), as debt."""
+        if self.bytes_per_s <= 0:
+            return
         self.num_invalid += 1
         self.take(tenant, min((INVALID_BODY_COST - 1) * num_bytes, self.burst_bytes),
                   may_borrow=True)
