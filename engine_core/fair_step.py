@@ -120,25 +120,25 @@ class FairPlanner:
     def _decodes_within_bound(self, plan: StepPlan, decodes: list[Request],
                               has_prefill_work: bool) -> list[Request]:
         """The decodes this step runs: all of them, or under a step bound
-        (Scheduler.step_bound_ms) those predicted to fit it, least recently granted
+        (``plan.step_bound_ms``) those predicted to fit it, least recently granted
         first, tenants interleaved, with ``plan``'s budget resized beside them. A step's
         fixed cost is taken as a short prompt's step alone (StepCost.short_step_ms;
         until one was measured, decodes are not cut). While prefill work waits the
         decodes get half of the bound above that cost, the prefills the rest (step 1
         of the module docstring)."""
         s = self.scheduler
-        bound, base_ms = s.step_bound_ms(), s.step_cost.short_step_ms
+        bound, base_ms = plan.step_bound_ms, s.step_cost.short_step_ms
         if bound is None or base_ms is None or len(decodes) <= 1:
             return decodes
-        if has_prefill_work and bound > base_ms:
-            bound = base_ms + (bound - base_ms) / 2
+        decode_ms = (base_ms + (bound - base_ms) / 2 if has_prefill_work and bound > base_ms
+                     else bound)
         order = self._decode_order(decodes)
-        num = s.step_cost.decodes_within(bound, [r.num_computed_tokens for r in order],
+        num = s.step_cost.decodes_within(decode_ms, [r.num_computed_tokens for r in order],
                                          base_ms)
         if num is None or num >= len(order):
             return decodes
         chosen = order[:num]
-        plan.token_budget = s.token_budget(chosen)
+        plan.token_budget = s.token_budget(bound, chosen)
         return chosen
 
     def _decode_order(self, decodes: list[Request]) -> list[Request]:

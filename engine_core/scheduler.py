@@ -140,7 +140,8 @@ class Scheduler:
         if self.config.policy == "fair":
             self.tenant_activity.observe({r.tenant for r in self.running}
                                          | set(self.waiting.tenants()), self.clock())
-        plan = StepPlan(token_budget=self.token_budget())
+        bound = self.step_bound_ms()  # once a step: the planner reads it off the plan
+        plan = StepPlan(token_budget=self.token_budget(bound), step_bound_ms=bound)
         if self.lora is not None:
             for request in reversed(self.lora.begin_step(self.running)):
                 self.waiting.add_front(request)
@@ -160,7 +161,7 @@ class Scheduler:
         if (self.config.num_scheduler_steps <= 1 or self.num_waiting
                 or not is_plain_run(plan, self.running)):
             return
-        max_run_ms = min((b for b in (self.step_bound_ms(), self.config.max_run_ms)
+        max_run_ms = min((b for b in (plan.step_bound_ms, self.config.max_run_ms)
                           if b is not None), default=None)
         num_steps = steps_within(self.config.num_scheduler_steps, max_run_ms, self.step_cost,
                                  self.running)
@@ -190,12 +191,12 @@ class Scheduler:
             bound = factor * short_ms if bound is None else min(bound, factor * short_ms)
         return bound
 
-    def token_budget(self, decodes: list[Request] | None = None) -> int:
+    def token_budget(self, bound: float | None,
+                     decodes: list[Request] | None = None) -> int:
         """This step's token budget: ``max_num_batched_tokens``, or under a step bound
         (``step_bound_ms``) the ``decodes`` (default: every running decode) plus the
         prefill tokens predicted to fit beside them (engine_core/step_cost.py)."""
         budget = self.config.max_num_batched_tokens
-        bound = self.step_bound_ms()
         if bound is None:
             return budget
         if decodes is None:

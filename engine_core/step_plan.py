@@ -18,6 +18,8 @@ class StepPlan:
     """
 
     token_budget: int
+    # the time the step is held to (Scheduler.step_bound_ms, read once a step); None: none
+    step_bound_ms: float | None = None
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     new_reqs: list[Request] = field(default_factory=list)
     # req_id -> (request, block ids appended this step)
