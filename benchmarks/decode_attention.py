@@ -1,15 +1,18 @@
 """Decode attention: the torch reference (gather + SDPA) against the native CPU kernel.
 
 Shapes of the default model (SmolLM2-135M: 9 query heads, 3 kv heads, head_dim 64,
-30 layers), block size 16, every request a decode with a context drawn uniformly from
-±20 % of the nominal length, blocks scattered over a shuffled cache. Each timed call
-uses a different "layer" cache, rotating over enough of them (up to 30) that the keys
-and values do not sit in the last-level cache, as in a real forward pass. Reported:
+30 layers), block size 16 (``--block-size``), every request a decode with a context
+drawn uniformly from ±20 % of the nominal length (``--shapes`` batch:context pairs),
+blocks scattered over a shuffled cache. Each timed call uses a different "layer"
+cache, rotating over enough of them (up to 30) that the keys and values do not sit in
+the last-level cache, as in a real forward pass. Reported: the CPU model and flags,
 milliseconds per layer call (median over rounds) and the step-level plan cost of the
 reference (make_plan, paid once per step, not per layer).
 
     .venv/bin/python benchmarks/decode_attention.py              # fp32, 2 threads
     .venv/bin/python benchmarks/decode_attention.py --dtype bfloat16 --build-times
+    .venv/bin/python benchmarks/decode_attention.py --dtype bfloat16 --shapes 1:170 64:170 \
+        --block-size 128
 """
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.machine import cpu_model_and_flags  # noqa: E402
+
 from kernels import cpu_paged_attention as cpa  # noqa: E402
 from kernels.paged_attention import make_plan, paged_attention_reference  # noqa: E402
 
@@ -34,10 +39,10 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 9, 3, 64, 16, 30
 LLC_BYTES = 33 << 20
 
 
-def make_batch(batch, context, dtype, seed=0):
+def make_batch(batch, context, dtype, seed=0, block_size=BLOCK_SIZE):
     rng = random.Random(seed)
     seq_lens = [rng.randint(int(context * 0.8), int(context * 1.2)) for _ in range(batch)]
-    nblocks = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    nblocks = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(nblocks) + 1
     perm = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(seed)) + 1
     tables = torch.zeros(batch, max(nblocks), dtype=torch.int64)
@@ -45,7 +50,7 @@ def make_batch(batch, context, dtype, seed=0):
     for r, n in enumerate(nblocks):
         tables[r, :n] = perm[used:used + n]
         used += n
-    shape = (2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    shape = (2, num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
     layer_bytes = torch.Size(shape).numel() * torch.finfo(dtype).bits // 8
     num_caches = max(2, min(NUM_LAYERS, -(-4 * LLC_BYTES // layer_bytes)))
     caches = [torch.randn(shape, dtype=dtype) for _ in range(num_caches)]
@@ -64,11 +69,11 @@ def time_per_call(fn, caches, rounds):
     return statistics.median(per_call) * 1e3
 
 
-def bench(batch, context, dtype, rounds):
-    query, caches, tables, lens = make_batch(batch, context, dtype)
+def bench(batch, context, dtype, rounds, block_size=BLOCK_SIZE):
+    query, caches, tables, lens = make_batch(batch, context, dtype, block_size=block_size)
     scale = HEAD_DIM ** -0.5
     t0 = time.perf_counter()
-    plan = make_plan(list(range(batch + 1)), lens.tolist(), tables, BLOCK_SIZE)
+    plan = make_plan(list(range(batch + 1)), lens.tolist(), tables, block_size)
     plan_ms = (time.perf_counter() - t0) * 1e3
     kv = torch.zeros(batch, NUM_KV_HEADS, HEAD_DIM, dtype=dtype)
 
@@ -112,6 +117,10 @@ def main():
                     choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--block-size", type=int, default=BLOCK_SIZE,
+                    help="tokens per KV block (memory.block_size)")
+    ap.add_argument("--shapes", nargs="+", default=["32:300", "32:700", "128:300", "128:700"],
+                    help="batch:context pairs")
     ap.add_argument("--build-times", action="store_true",
                     help="also time a cold build and a warm load in subprocesses")
     args = ap.parse_args()
@@ -121,19 +130,21 @@ def main():
         print(f"extension build: cold {t['cold']:.1f} s, warm load {t['warm']:.2f} s")
     assert cpa.is_available(), cpa.unavailable_reason()
     dtype = getattr(torch, args.dtype)
+    shapes = [tuple(int(v) for v in shape.split(":")) for shape in args.shapes]
+    model, flags = cpu_model_and_flags()
+    print(f"{model}; {' '.join(flags)}")
     print(f"decode attention, {args.dtype}, {args.threads} threads, H={NUM_HEADS} "
-          f"kvH={NUM_KV_HEADS} hd={HEAD_DIM} block={BLOCK_SIZE}; ms per layer call")
+          f"kvH={NUM_KV_HEADS} hd={HEAD_DIM} block={args.block_size}; ms per layer call")
     print(f"{'batch':>5} {'ctx':>4} {'KV MB':>7} {'reference':>10} {'kernel':>8} "
           f"{'speedup':>7} {'kernel GB/s':>11} {'x30 layers ref/kernel':>22} "
           f"{'plan/step':>9} {'max err':>8}")
-    for batch in (32, 128):
-        for context in (300, 700):
-            r = bench(batch, context, dtype, args.rounds)
-            print(f"{r['batch']:>5} {r['context']:>4} {r['kv_mb']:>7.1f} "
-                  f"{r['ref_ms']:>10.2f} {r['kernel_ms']:>8.2f} {r['speedup']:>6.1f}x "
-                  f"{r['kernel_gbs']:>11.1f} "
-                  f"{r['ref_ms'] * NUM_LAYERS:>11.0f} / {r['kernel_ms'] * NUM_LAYERS:<8.0f}"
-                  f" {r['plan_ms']:>9.2f} {r['max_err']:>8.1e}")
+    for batch, context in shapes:
+        r = bench(batch, context, dtype, args.rounds, args.block_size)
+        print(f"{r['batch']:>5} {r['context']:>4} {r['kv_mb']:>7.1f} "
+              f"{r['ref_ms']:>10.2f} {r['kernel_ms']:>8.2f} {r['speedup']:>6.1f}x "
+              f"{r['kernel_gbs']:>11.1f} "
+              f"{r['ref_ms'] * NUM_LAYERS:>11.0f} / {r['kernel_ms'] * NUM_LAYERS:<8.0f}"
+              f" {r['plan_ms']:>9.2f} {r['max_err']:>8.1e}")
 
 
 if __name__ == "__main__":
