@@ -14,7 +14,7 @@ answered it):
                                                  rate (body_rate.py)
     folio:api_body_rate_refusals_total           bodies refused 429 for that rate
     folio:api_body_rate_invalid_total            bodies refused 400 as invalid, charged
-                                                 4x of that rate
+                                                 INVALID_BODY_COST times their bytes
     folio:api_public_polls_held_total            keyless /health or /metrics polls held
                                                  for their connection's pace
                                                  (public_pacing.py)
