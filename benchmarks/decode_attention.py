@@ -39,7 +39,18 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 9, 3, 64, 16, 30
 LLC_BYTES = 33 << 20
 
 
-def make_batch(batch, context, dtype, seed=0, block_size=BLOCK_SIZE):
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied into memory advised for 2 MB pages (worker/huge_pages.py)."""
+    from worker.huge_pages import huge_page_buffer
+    buf = huge_page_buffer(t.numel() * t.element_size())
+    if buf is None:
+        return t
+    out = buf.view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def make_batch(batch, context, dtype, seed=0, block_size=BLOCK_SIZE, huge_pages=False):
     rng = random.Random(seed)
     seq_lens = [rng.randint(int(context * 0.8), int(context * 1.2)) for _ in range(batch)]
     nblocks = [-(-n // block_size) for n in seq_lens]
@@ -54,6 +65,8 @@ def make_batch(batch, context, dtype, seed=0, block_size=BLOCK_SIZE):
     layer_bytes = torch.Size(shape).numel() * torch.finfo(dtype).bits // 8
     num_caches = max(2, min(NUM_LAYERS, -(-4 * LLC_BYTES // layer_bytes)))
     caches = [torch.randn(shape, dtype=dtype) for _ in range(num_caches)]
+    if huge_pages:
+        caches = [on_huge_pages(c) for c in caches]
     query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=dtype)
     return query, caches, tables, torch.tensor(seq_lens, dtype=torch.int64)
 
@@ -69,8 +82,9 @@ def time_per_call(fn, caches, rounds):
     return statistics.median(per_call) * 1e3
 
 
-def bench(batch, context, dtype, rounds, block_size=BLOCK_SIZE):
-    query, caches, tables, lens = make_batch(batch, context, dtype, block_size=block_size)
+def bench(batch, context, dtype, rounds, block_size=BLOCK_SIZE, huge_pages=False):
+    query, caches, tables, lens = make_batch(batch, context, dtype, block_size=block_size,
+                                             huge_pages=huge_pages)
     scale = HEAD_DIM ** -0.5
     t0 = time.perf_counter()
     plan = make_plan(list(range(batch + 1)), lens.tolist(), tables, block_size)
@@ -121,6 +135,8 @@ def main():
                     help="tokens per KV block (memory.block_size)")
     ap.add_argument("--shapes", nargs="+", default=["32:300", "32:700", "128:300", "128:700"],
                     help="batch:context pairs")
+    ap.add_argument("--huge-pages", action="store_true",
+                    help="the caches on 2 MB pages, as worker.huge_pages puts the KV pool")
     ap.add_argument("--build-times", action="store_true",
                     help="also time a cold build and a warm load in subprocesses")
     args = ap.parse_args()
@@ -134,12 +150,13 @@ def main():
     model, flags = cpu_model_and_flags()
     print(f"{model}; {' '.join(flags)}")
     print(f"decode attention, {args.dtype}, {args.threads} threads, H={NUM_HEADS} "
-          f"kvH={NUM_KV_HEADS} hd={HEAD_DIM} block={args.block_size}; ms per layer call")
+          f"kvH={NUM_KV_HEADS} hd={HEAD_DIM} block={args.block_size}"
+          f"{', 2 MB pages' if args.huge_pages else ''}; ms per layer call")
     print(f"{'batch':>5} {'ctx':>4} {'KV MB':>7} {'reference':>10} {'kernel':>8} "
           f"{'speedup':>7} {'kernel GB/s':>11} {'x30 layers ref/kernel':>22} "
           f"{'plan/step':>9} {'max err':>8}")
     for batch, context in shapes:
-        r = bench(batch, context, dtype, args.rounds, args.block_size)
+        r = bench(batch, context, dtype, args.rounds, args.block_size, args.huge_pages)
         print(f"{r['batch']:>5} {r['context']:>4} {r['kv_mb']:>7.1f} "
               f"{r['ref_ms']:>10.2f} {r['kernel_ms']:>8.2f} {r['speedup']:>6.1f}x "
               f"{r['kernel_gbs']:>11.1f} "
