@@ -133,9 +133,15 @@ def roofline_round(llm, layers, batch, args) -> dict:
     bandwidth = memory_bandwidth_gb_s() if batch == 1 else None
     steps = time_decode_steps(llm, batch, args.context, args.steps, args.warmup_steps)
     step = statistics.median(steps)
-    return {"bandwidth_gb_s": bandwidth, "linear_seconds_folio": chosen, "linear_seconds_torch": plain,
-            "linear_seconds": roofline, "decode_step_seconds": step,
+    return {"bandwidth_gb_s": bandwidth, "linear_seconds_folio": chosen,
+            "linear_seconds_torch": plain, "linear_seconds": roofline,
+            "decode_step_seconds": step,
             "decode_step_seconds_all": steps, "fraction_of_roofline": roofline / step}
+
+
+def median_round(rounds: list[dict], key: str) -> dict:
+    """The round whose ``key`` is the median (the lower one of an even count)."""
+    return sorted(rounds, key=lambda r: r[key])[(len(rounds) - 1) // 2]
 
 
 def roofline_row(llm, layers, batch, args) -> dict:
@@ -145,7 +151,7 @@ def roofline_row(llm, layers, batch, args) -> dict:
     be measured on another machine state than the steps it is compared with. The row's
     fraction is the median of the rounds' fractions; its times are that round's."""
     rounds = [roofline_round(llm, layers, batch, args) for _ in range(args.rounds)]
-    mid = sorted(rounds, key=lambda r: r["fraction_of_roofline"])[(len(rounds) - 1) // 2]
+    mid = median_round(rounds, "fraction_of_roofline")
     roofline, step = mid["linear_seconds"], mid["decode_step_seconds"]
     row = {"batch": batch, **mid, "roofline_tok_s": batch / roofline,
            "decode_tok_s": batch / step, "warmup_steps": args.warmup_steps,
@@ -302,8 +308,7 @@ def run(args) -> dict:
         context = args.context + args.warmup_steps + args.steps // 2  # the timed steps' mean
         rounds = [bandwidth_row(runner, r["decode_step_seconds"], r["bandwidth_gb_s"], context)
                   for r in one[0]["rounds"]]
-        result["batch_1"] = dict(sorted(rounds, key=lambda r: r["fraction_of_bandwidth_limit"])[
-            (len(rounds) - 1) // 2])
+        result["batch_1"] = dict(median_round(rounds, "fraction_of_bandwidth_limit"))
         result["batch_1"]["rounds"] = rounds
         if len(rounds) > 1:
             print("batch 1, median round: "

@@ -19,20 +19,26 @@ _VECTOR_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx5
                  "avx_vnni", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_int8", "amx_tile")
 
 
-def cpu_model_and_flags() -> tuple[str, list[str]]:
-    model, flags = platform.processor() or platform.machine(), []
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (empty where there is none)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    present = set(line.split(":", 1)[1].split())
-                    flags = [f for f in _VECTOR_FLAGS if f in present]
+                if not line.strip():
                     break
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return model, flags
+    return fields
+
+
+def cpu_model_and_flags() -> tuple[str, list[str]]:
+    fields = _cpuinfo()
+    present = set(fields.get("flags", "").split())
+    return (fields.get("model name") or platform.processor() or platform.machine(),
+            [f for f in _VECTOR_FLAGS if f in present])
 
 
 def cpu_family_model() -> str:
@@ -40,19 +46,10 @@ def cpu_family_model() -> str:
     be as bare as ``AMD EPYC``, and two machines of that name here were a Zen 4 (family
     25, model 17) and, by its flags (AVX-VNNI), a later core whose bf16 linears ran
     about twice as fast."""
-    fields = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key = line.split(":", 1)[0].strip()
-                if key in ("cpu family", "model") and key not in fields:
-                    fields[key] = line.split(":", 1)[1].strip()
-                if not line.strip():
-                    break
-    except OSError:
-        pass
-    return (f"family {fields['cpu family']} model {fields['model']}"
-            if len(fields) == 2 else "")
+    fields = _cpuinfo()
+    if "cpu family" not in fields or "model" not in fields:
+        return ""
+    return f"family {fields['cpu family']} model {fields['model']}"
 
 
 def machine_facts() -> dict:
