@@ -223,16 +223,20 @@ def test_int8_route_on_real_activations_is_exactly_its_rounding(int8_llm):
 @pytest.mark.parametrize("quantization", ["none", "auto"])
 def test_default_config_answers_the_capital_of_france(quantization):
     # The default config (dtype auto: bf16 where the CPU multiplies it), dequantised as
-    # shipped or with the Q4_1 blocks kept. The first token is a close call ("The" 0.08
-    # logits above "L" in the dequantised model): with int8 activations the LM head alone
-    # moved "L" ahead and the answer began "L'Étoile, la Marseillaise".
+    # shipped or with the Q4_1 blocks kept. The reply is opened with "The capital of France
+    # is" and the model goes on: " Paris" leads " L" there by 4.5 logits in every path
+    # measured (bf16 and float32, Q4_1 and dequantised). The bare question's first token
+    # is a close call ("The" 0.08-0.12 logits above "L"), which a CPU with other kernels
+    # (a CI machine did) turns into "L'Étoile, la Marseillaise", so no test leans on it.
     from folio import LLM
     llm = LLM(model="default", max_model_len=1024, num_blocks=256, quantization=quantization,
               **{"observability.log_level": "warning"})
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0.0, max_tokens=24), use_tqdm=False)[0]
+    conversation = [{"role": "user", "content": "What is the capital of France?"},
+                    {"role": "assistant", "content": "The capital of France is"}]
+    out = llm.chat(conversation, SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False,
+                   add_generation_prompt=False, continue_final_message=True)[0]
     assert llm.runner.quantization == {"none": "none", "auto": "gguf"}[quantization]
-    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].text.startswith(" Paris"), out.outputs[0].text
 
 
 # An adapter built by peft on the default model: all seven projections at rank 16 with
