@@ -3,7 +3,7 @@
 Builds ``kernels/csrc/quant_tiles.h`` as it was at ``--base`` (a git revision) and as it is
 in the working tree into one small program, each copy in its own namespace, and times
 their widening tile (``--tile int8``: the AVX2 int8 tile; ``--tile int16``: the int16
-tile) (one thread, one activation row) on the same random matrix in each GGUF format,
+tile; ``--tile bf16``: the bf16 tile) (one thread, one activation row) on the same random matrix in each GGUF format,
 alternating A B A B; prints the best time of each, the ratio, and whether the two
 outputs are bit for bit equal. ``--march`` builds for another instruction set than this
 machine's (``haswell``: the AVX2 forms, which this machine runs too).
@@ -29,6 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 CSRC = REPO / "kernels/csrc"
 
 TRANSLATION_UNIT = """#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #define folio folio_{v}
 #include "tiles_{v}.h"
@@ -97,6 +98,35 @@ BY_FORMAT(int16_{v}, dot16)
 #endif
 """
 
+# The bf16 tile (AVX512-BF16 builds only; Q8_0 widens, as in its route): x rounded to bf16
+# and laid out in pairs as quant_linear.cpp lays it out.
+BF16_UNIT = """#ifdef __AVX512BF16__
+template <int64_t Fmt>
+void dotbf16(const uint8_t* qs, const uint8_t* sc, long B, long groups, const float* x,
+             const float* xsum, float* out) {{
+  using namespace folio_{v}::quant;
+  long qsz, ssz;
+  layout_{v}(Fmt, B, &qsz, &ssz);
+  if constexpr (!is_q4(Fmt)) {{
+    for (long g = 0; g < groups; ++g)
+      tile_widen<Fmt, 1>(qs + g * qsz, sc + g * ssz, B, x, B * 32, xsum, 0, out + 16 * g);
+  }} else {{
+    const long K = B * 32;
+    std::vector<uint32_t> xp(K / 2);
+    const int low[4] = {{0, 1, 4, 5}};
+    const auto bits = [&](long k) {{ return static_cast<uint32_t>(c10::BFloat16(x[k]).x); }};
+    for (long c = 0; c < K / 8; ++c)
+      for (int p = 0; p < 4; ++p)
+        xp[4 * c + p] = bits(8 * c + low[p]) | (bits(8 * c + low[p] + 2) << 16);
+    for (long g = 0; g < groups; ++g)
+      tile_bf16dot<Fmt, 1>(qs + g * qsz, sc + g * ssz, B, xp.data(), K / 2, xsum, 0,
+                           out + 16 * g);
+  }}
+}}
+BY_FORMAT(bf16_{v}, dotbf16)
+#endif
+"""
+
 MAIN = r"""#include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -146,8 +176,9 @@ int main(int argc, char** argv) {
 
 def build(base: str, march: str, folder: Path, tile: str = "widen") -> Path:
     """The A/B program for one ``-march`` and ``tile`` (``widen``; ``int8``: the AVX2
-    int8 tile, activations quantized per block; ``int16``: the int16 tile, both revisions
-    must have it): tiles at ``base`` as A, the tree's as B."""
+    int8 tile, activations quantized per block; ``int16``: the int16 tile and ``bf16``:
+    the bf16 tile, both revisions must have them): tiles at ``base`` as A, the tree's as
+    B."""
     import torch
     import torch.utils.cpp_extension as ext
     header = subprocess.run(["git", "show", f"{base}:kernels/csrc/quant_tiles.h"], cwd=REPO,
@@ -157,12 +188,12 @@ def build(base: str, march: str, folder: Path, tile: str = "widen") -> Path:
         '"quant_pack.h"', f'"{CSRC}/quant_pack.h"'))
     for v in "ab":
         (folder / f"tu_{v}.cpp").write_text(TRANSLATION_UNIT.format(v=v) + (
-            INT16_UNIT.format(v=v) if tile == "int16" else ""))
+            {"int16": INT16_UNIT, "bf16": BF16_UNIT}.get(tile, "").format(v=v)))
     (folder / "main.cpp").write_text(MAIN.replace("TILE", tile))
     lib = Path(torch.__file__).parent / "lib"
     program = folder / f"ab_{tile}_{march}"
     subprocess.run(["g++", "-O3", f"-march={march}", "-fopenmp", "-w",
-                    *(f"-I{p}" for p in ext.include_paths()), f"-I{folder}",
+                    *(f"-I{p}" for p in ext.include_paths()), f"-I{folder}", f"-I{CSRC}",  # amx.h and quant_pack.h: the tree's
                     "-o", str(program), *(str(folder / f) for f in ("tu_a.cpp", "tu_b.cpp",
                                                                      "main.cpp")),
                     f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"], check=True)
@@ -176,9 +207,10 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=5632, help="weight rows (a multiple of 16)")
     ap.add_argument("--k", type=int, default=2048, help="inputs (a multiple of 256)")
     ap.add_argument("--reps", type=int, default=40)
-    ap.add_argument("--tile", choices=["widen", "int8", "int16"], default="widen",
+    ap.add_argument("--tile", choices=["widen", "int8", "int16", "bf16"], default="widen",
                     help="widen: the widening tile; int8: the AVX2 int8 tile (tile_avx2); "
-                         "int16: the int16 tile (Q6_K widens, as in its route)")
+                         "int16: the int16 tile (Q6_K widens, as in its route); bf16: the "
+                         "bf16 tile (AVX512-BF16; Q8_0 widens, as in its route)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     report = {"machine": machine_facts(), "base": args.base, "tile": args.tile, "n": args.n,
