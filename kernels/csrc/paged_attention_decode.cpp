@@ -18,11 +18,13 @@
 //                                                 block_size * kv_heads * hd elements
 //   element (b, o, kvh, i) = base + ((b * block_size + o) * kv_heads + kvh) * hd + i
 //
-// Work split: a work item is a request and a contiguous range of its kv heads (all of
-// them when the batch alone keeps the threads busy). The item's query heads (G = heads
-// / kv_heads per kv head, GQA: query head h uses kv head h / G) are processed together,
-// so every K and V row is loaded from memory once for all the heads that read it.
-// Threads pull items off a shared counter (requests are ragged).
+// Work split: a work item is a request, a contiguous range of its kv heads (all of them
+// when the batch alone keeps the threads busy) and its visible keys, or one partition of
+// them when there are more than kPartition (partial results merged in order, see Plan).
+// The item's query heads (G = heads / kv_heads per kv head, GQA: query head h uses kv
+// head h / G) are processed together, so every K and V row is loaded from memory once
+// for all the heads that read it. Threads pull items off a shared counter (requests are
+// ragged).
 //
 // Softmax: single pass, online, per chunk of up to kChunk keys. For each query head g
 // we keep a running max m_g, running sum l_g = sum exp(s - m_g) and an unnormalised
@@ -50,6 +52,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -393,18 +396,99 @@ inline void widen_rows(const T* const* rows, int64_t n, float* buf, const float*
   }
 }
 
-// A work item: request d's kv heads [kv0, kv0 + nkv) over its visible keys [start, seq_len).
+// Partitions: a row's visible keys are cut every kPartition keys, counted from its first
+// visible key, and each (request, kv-head range, partition) is a work item of its own. At
+// one request the 3 kv heads of the default model were 3 items for 2 threads, one thread
+// doing two: the attention took two items' time (decode_attention.py, batch 1 at 2,048
+// tokens: 0.17 ms a layer call). A partition ends in a partial result (running max, sum
+// and unnormalised accumulator per query head) and the thread that finishes a row's last
+// partition merges them, in partition order. The cut depends on the row alone, never on
+// the batch, so a row's result is the same whatever else is in its batch (the
+// batch-invariant mode relies on it); a multiple of kChunk keeps the chunk boundaries.
+constexpr int64_t kPartition = 512;
+static_assert(kPartition % kChunk == 0);
+
+// A work item: request d's kv heads [kv0, kv0 + nkv) over keys [start, seq_len), the
+// whole of its visible keys (partial = -1) or one partition of them (partial: its slot
+// in the partial results, group: the (request, kv range) whose partitions it shares).
 struct Item {
   int64_t d, kv0, nkv, start, seq_len;
   const int64_t* table;
+  int64_t partial = -1, group = -1;
 };
 
-inline Item item_at(const Shape& sh, int64_t item, const int64_t* tables,
-                    const int64_t* seq_lens, int64_t window) {
-  const int64_t d = item / sh.items_per_req, kv0 = (item % sh.items_per_req) * sh.kv_per_item;
-  const int64_t len = seq_lens[d];
-  return {d, kv0, std::min(sh.kv_per_item, sh.num_kv_heads - kv0),
-          window > 0 ? std::max<int64_t>(0, len - window) : 0, len, tables + d * sh.max_blocks};
+// The work items of a call, in order, and the partitioned (request, kv range) groups.
+struct Plan {
+  std::vector<Item> items;
+  std::vector<Item> groups;          // request, kv range and visible keys of each group
+  std::vector<int64_t> first, parts;  // per group: its first partial slot, partition count
+  int64_t num_partials = 0;
+};
+
+inline Plan make_plan(const Shape& sh, const int64_t* tables, const int64_t* seq_lens,
+                      int64_t window) {
+  Plan plan;
+  plan.items.reserve(static_cast<size_t>(sh.num_decodes * sh.items_per_req));
+  for (int64_t d = 0; d < sh.num_decodes; ++d) {
+    const int64_t len = seq_lens[d];
+    const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    const int64_t parts = std::max<int64_t>(1, (len - start + kPartition - 1) / kPartition);
+    for (int64_t r = 0; r < sh.items_per_req; ++r) {
+      const int64_t kv0 = r * sh.kv_per_item;
+      const Item whole{d, kv0, std::min(sh.kv_per_item, sh.num_kv_heads - kv0), start, len,
+                       tables + d * sh.max_blocks};
+      if (parts == 1) {
+        plan.items.push_back(whole);
+        continue;
+      }
+      const auto group = static_cast<int64_t>(plan.groups.size());
+      plan.groups.push_back(whole);
+      plan.first.push_back(plan.num_partials);
+      plan.parts.push_back(parts);
+      for (int64_t p = 0; p < parts; ++p) {
+        Item part = whole;
+        part.start = start + p * kPartition;
+        part.seq_len = std::min(len, part.start + kPartition);
+        part.partial = plan.num_partials + p;
+        part.group = group;
+        plan.items.push_back(part);
+      }
+      plan.num_partials += parts;
+    }
+  }
+  return plan;
+}
+
+// Floats of one partial result: m [nh], l [nh], acc [nh, hd] for nh query heads.
+inline int64_t partial_floats(const Shape& sh) {
+  return sh.kv_per_item * sh.group * (sh.head_dim + 2);
+}
+
+// A group's partitions merged into its rows of `out`: the largest running max M, then
+// l = sum_p l_p exp(m_p - M) and acc = sum_p acc_p exp(m_p - M), in partition order.
+template <typename T>
+void merge_partials(const Shape& sh, const Item& g, const float* partials, int64_t parts,
+                    T* out) {
+  const int64_t hd = sh.head_dim, nh = g.nkv * sh.group, stride = partial_floats(sh);
+  std::vector<float> acc(static_cast<size_t>(hd));
+  for (int64_t h = 0; h < nh; ++h) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < parts; ++p) top = std::max(top, partials[p * stride + h]);
+    float l = 0.f;
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t p = 0; p < parts; ++p) {
+      const float* part = partials + p * stride;
+      if (part[nh + h] == 0.f) continue;  // nothing visible in it (l = 0, m = -inf)
+      const float w = std::exp(part[h] - top);
+      l += part[nh + h] * w;
+      const float* a = part + 2 * nh + h * hd;
+#pragma omp simd
+      for (int64_t i = 0; i < hd; ++i) acc[i] += a[i] * w;
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    T* o = out + (g.d * sh.num_heads + g.kv0 * sh.group + h) * hd;
+    for (int64_t i = 0; i < hd; ++i) o[i] = static_cast<T>(acc[i] * inv);
+  }
 }
 
 // `it`'s first chunk (at most kChunk slots) into `offs`; returns the slot count.
@@ -424,7 +508,8 @@ inline int64_t first_chunk(const Shape& sh, const Item& it, int64_t* offs) {
 // requested during this item's last one; `requested`: this item's first chunk was.
 template <typename T, typename C, int64_t HD>
 void attend_one(const Shape& sh, const Item& it, const Item* following, bool requested,
-                const T* query, const C* cache, float scale, T* out, Scratch& ws) {
+                const T* query, const C* cache, float scale, T* out, float* partial,
+                Scratch& ws) {
   const int64_t d = it.d, kv0 = it.kv0, nkv = it.nkv, seq_len = it.seq_len;
   using Ops = RowOps<C, HD>;
   const int64_t hd = sh.head_dim;
@@ -516,6 +601,12 @@ void attend_one(const Shape& sh, const Item& it, const Item* following, bool req
     pf.flush();
   }
 
+  if (partial != nullptr) {  // one partition: m, l and acc for merge_partials
+    std::copy(ws.m.begin(), ws.m.begin() + nh, partial);
+    std::copy(ws.l.begin(), ws.l.begin() + nh, partial + nh);
+    std::copy(acc, acc + nh * hd, partial + 2 * nh);
+    return;
+  }
   for (int64_t h = 0; h < nh; ++h) {
     // seq_len == 0 (nothing visible) leaves l = 0: write zeros rather than NaN.
     const float inv = ws.l[h] > 0.f ? 1.f / ws.l[h] : 0.f;
@@ -528,7 +619,13 @@ void attend_one(const Shape& sh, const Item& it, const Item* following, bool req
 template <typename T, typename C, int64_t HD>
 void run_decode(const Shape& sh, const T* query, const C* cache, const int64_t* tables,
                 const int64_t* seq_lens, float scale, int64_t window, T* out) {
-  const int64_t num_items = sh.num_decodes * sh.items_per_req;
+  const Plan plan = make_plan(sh, tables, seq_lens, window);
+  const auto num_items = static_cast<int64_t>(plan.items.size());
+  const auto num_groups = static_cast<int64_t>(plan.groups.size());
+  std::vector<float> partials(static_cast<size_t>(plan.num_partials * partial_floats(sh)));
+  // partitions of each group still running: the thread that finishes the last merges
+  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[num_groups]);
+  for (int64_t g = 0; g < num_groups; ++g) left[g].store(plan.parts[g], std::memory_order_relaxed);
   // Requests are ragged, so a static split would leave a thread idle: each thread
   // instead pulls the next work item off a shared counter.
   // A thread claims its next item when it starts one, so that the next item's first
@@ -540,15 +637,21 @@ void run_decode(const Shape& sh, const T* query, const C* cache, const int64_t* 
     Scratch ws(sh);
     int64_t item = next.fetch_add(1);
     if (item >= num_items) return;
-    Item it = item_at(sh, item, tables, seq_lens, window);
     for (bool requested = false;;) {
+      const Item& it = plan.items[item];
       const int64_t following = next.fetch_add(1);
       const bool more = following < num_items;
-      const Item after = more ? item_at(sh, following, tables, seq_lens, window) : Item{};
-      attend_one<T, C, HD>(sh, it, more ? &after : nullptr, requested, query, cache, scale,
-                           out, ws);
+      float* partial =
+          it.partial < 0 ? nullptr : partials.data() + it.partial * partial_floats(sh);
+      attend_one<T, C, HD>(sh, it, more ? &plan.items[following] : nullptr, requested,
+                           query, cache, scale, out, partial, ws);
+      // acq_rel: the last one sees every other partition's partial result
+      if (it.group >= 0 && left[it.group].fetch_sub(1, std::memory_order_acq_rel) == 1)
+        merge_partials(sh, plan.groups[it.group],
+                       partials.data() + plan.first[it.group] * partial_floats(sh),
+                       plan.parts[it.group], out);
       if (!more) break;
-      it = after;
+      item = following;
       requested = true;
     }
   });

@@ -150,6 +150,64 @@ def test_large_scores_rescale_across_chunks():
                                atol=1e-5, rtol=1e-5)
 
 
+# Rows past 512 visible keys are cut into partitions of 512 (paged_attention_decode.cpp,
+# kPartition), each a work item of its own, merged at the end: lengths at and around the
+# cuts, windows that start mid-partition, and a row whose scores grow along it so that
+# the running max moves from partition to partition.
+LONG_LENS = [511, 512, 513, 1100, 1600, 7, 2049]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 600, 1030])
+def test_long_rows_cut_into_partitions(dtype, window):
+    q, cache, tables, lens = make_decode_batch(LONG_LENS, 16, 9, 3, 64, dtype, seed=3)
+    out = cpa.paged_attention_decode(q, cache, tables, lens, 0.125, window)
+    ref32 = reference(q.float(), cache.float(), tables, lens, 0.125, window)
+    torch.testing.assert_close(out.float(), ref32, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
+def test_long_rows_with_an_fp8_cache(kv_dtype):
+    q, cache, tables, lens = make_decode_batch([1100, 513], 16, 6, 2, 64, torch.bfloat16)
+    cache8 = cache.to(kv_dtype)
+    out = cpa.paged_attention_decode(q, cache8, tables, lens, 0.125)
+    ref32 = reference(q.float(), cache8.float(), tables, lens, 0.125, None)
+    torch.testing.assert_close(out.float(), ref32, atol=2e-2, rtol=2e-2)
+
+
+def test_large_scores_rescale_across_partitions():
+    q, cache, tables, lens = make_decode_batch([1500, 700], 16, 4, 4, 64, torch.float32,
+                                               q_scale=8.0)
+    for r in range(len(lens)):  # keys growing along the sequence: later partitions win
+        for p in range(int(lens[r])):
+            cache[0, tables[r, p // 16], p % 16] *= 1 + p / 300
+    out = cpa.paged_attention_decode(q, cache, tables, lens, 0.125)
+    # against float64: with scores in the hundreds torch's float32 reference is itself
+    # 1e-5 off (so is the kernel, partitioned or not)
+    ref64 = reference(q.double(), cache.double(), tables, lens, 0.125, None)
+    torch.testing.assert_close(out.double(), ref64, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_long_row_is_the_same_alone_and_in_any_batch(dtype):
+    # The cut depends on the row alone: batch-invariant mode (README) relies on it.
+    q, cache, tables, lens = make_decode_batch([1300, 40, 700, 2, 600, 900], 16, 9, 3, 64,
+                                               dtype, seed=5)
+    batch = cpa.paged_attention_decode(q, cache, tables, lens, 0.125)
+    for r in (0, 2, 4):
+        alone = cpa.paged_attention_decode(q[r:r + 1], cache, tables[r:r + 1],
+                                           lens[r:r + 1], 0.125)
+        assert torch.equal(alone[0], batch[r])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = cpa.paged_attention_decode(q, cache, tables, lens, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, batch)
+
+
 def test_int32_tables_and_strided_query():
     q, cache, tables, lens = make_decode_batch([5, 17, 40], 4, 8, 2, 64, torch.float32)
     qkv = torch.cat([q, torch.randn_like(q)], dim=1)  # query as a view, as a fused qkv
