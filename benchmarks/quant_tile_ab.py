@@ -85,8 +85,7 @@ void dot16(const uint8_t* qs, const uint8_t* sc, long B, long groups, const floa
   long qsz, ssz;
   layout_{v}(Fmt, B, &qsz, &ssz);
   if constexpr (Fmt == kQ6_K) {{  // the route widens Q6_K
-    for (long g = 0; g < groups; ++g)
-      tile_widen<Fmt, 1>(qs + g * qsz, sc + g * ssz, B, x, B * 32, xsum, 0, out + 16 * g);
+    widen<Fmt>(qs, sc, B, groups, x, xsum, out);
   }} else {{
     Int16Rows xr;  // one activation row, rounded per block as the int16 route takes it
     quantize_rows16(x, B * 32, 1, B * 32, Fmt == kQ8_0, xr);
@@ -108,8 +107,7 @@ void dotbf16(const uint8_t* qs, const uint8_t* sc, long B, long groups, const fl
   long qsz, ssz;
   layout_{v}(Fmt, B, &qsz, &ssz);
   if constexpr (!is_q4(Fmt)) {{
-    for (long g = 0; g < groups; ++g)
-      tile_widen<Fmt, 1>(qs + g * qsz, sc + g * ssz, B, x, B * 32, xsum, 0, out + 16 * g);
+    widen<Fmt>(qs, sc, B, groups, x, xsum, out);
   }} else {{
     const long K = B * 32;
     std::vector<uint32_t> xp(K / 2);
