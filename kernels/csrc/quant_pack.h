@@ -210,7 +210,8 @@ inline __m512 load16_as_float(const T* p) {
 
 // quantize_block16 below in 16-lane registers, with the same result bit for bit: the
 // scalar loop's max was a chain of 32 dependent maxss and its floats went back through
-// memory (the int16 route's activations took ~5% of a batch-1 Q4_1 step on a Zen 4).
+// memory (the int16 route's activations took 1.5-5% of the main thread's samples in a
+// batch-1 Q4_1 step on a Zen 4; 29.4 -> 22.7 ns a block here).
 // max_ps(|v|, m) keeps m where |v| is NaN, as std::max(m, |v|) does.
 template <typename T>
 void quantize_block16(const T* x, bool q8_order, int16_t* out, float& scale, int32_t& sum) {
