@@ -20,7 +20,8 @@ _prefill_available: bool | None = None
 
 def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                           scale: float, sliding_window: int | None = None) -> torch.Tensor:
+                           scale: float, sliding_window: int | None = None,
+                           batch_invariant: bool = False) -> torch.Tensor:
     """Attention of one query token per request over its paged keys and values.
 
     ``query`` ``[num_decodes, num_heads, head_dim]``; ``kv_cache`` contiguous
@@ -33,6 +34,10 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor,
     ``h // (num_heads // num_kv_heads)``; with ``sliding_window`` W a request sees only
     positions ``>= seq_len - W``. Returns ``[num_decodes, num_heads, head_dim]`` in the
     query's dtype (float32 accumulation inside). A request with seq_len 0 gets zeros.
+
+    With ``batch_invariant`` a request's result has the same bits whatever else is in the
+    batch and at any thread count; without it, one or two requests' keys are split
+    finer over the threads, which changes the order of their sums.
     """
     ops = cpu_extension.require()
     if block_tables.dtype != torch.int64:
@@ -40,7 +45,7 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor,
     if seq_lens.dtype != torch.int64:
         seq_lens = seq_lens.to(torch.int64)
     return ops.paged_attention_decode(query, kv_cache, block_tables, seq_lens, float(scale),
-                                      sliding_window)
+                                      sliding_window, batch_invariant)
 
 
 def prefill_attention_available() -> bool:

@@ -82,6 +82,7 @@ class PagedAttentionPlan:
     ragged: RaggedAttentionMetadata | None = None  # Triton: everything runs in one kernel
     native: bool = False  # the native CPU kernels run this step's attention
     amx: AmxPrefills | None = None  # native, amx_prefill: the fresh segments, the rest
+    batch_invariant: bool = False  # native: rows' results may not depend on the batch
 
     def to(self, device: torch.device) -> "PagedAttentionPlan":
         """The reference's tensors moved to ``device`` (the torch backend on a GPU)."""
@@ -92,7 +93,8 @@ class PagedAttentionPlan:
         return PagedAttentionPlan(self.num_decodes, move(self.decode_slots),
                                   move(self.decode_mask), prefills,
                                   move(self.decode_block_tables), move(self.decode_seq_lens),
-                                  self.sliding_window, self.ragged, self.native, self.amx)
+                                  self.sliding_window, self.ragged, self.native, self.amx,
+                                  self.batch_invariant)
 
 
 def _positions_to_slots(block_table: torch.Tensor, positions: torch.Tensor,
@@ -103,14 +105,15 @@ def _positions_to_slots(block_table: torch.Tensor, positions: torch.Tensor,
 
 def make_plan(query_start_loc: list[int], seq_lens: list[int], block_tables: torch.Tensor,
               block_size: int, sliding_window: int | None = None,
-              use_native_decode: bool = False, amx_prefill: bool = False
-              ) -> PagedAttentionPlan:
+              use_native_decode: bool = False, amx_prefill: bool = False,
+              batch_invariant: bool = False) -> PagedAttentionPlan:
     """Derive the step's plan for a batch ordered decodes first.
 
     ``use_native_decode`` hands decodes to the native CPU kernel, and with
     ``amx_prefill`` (worker.prefill_attention: amx) fresh prompt segments to the AMX one
     (see kernels/cpu_paged_attention.py); the caller checks that they are available and
-    that the kernel's contract holds (bf16, head_dim 64 or 128).
+    that the kernel's contract holds (bf16, head_dim 64 or 128). ``batch_invariant``
+    (deterministic mode) keeps the native kernel's work split from depending on the batch.
     """
     num_reqs = len(seq_lens)
     query_lens = [query_start_loc[r + 1] - query_start_loc[r] for r in range(num_reqs)]
@@ -158,7 +161,8 @@ def make_plan(query_start_loc: list[int], seq_lens: list[int], block_tables: tor
                               rest)
     return PagedAttentionPlan(num_decodes, decode_slots, decode_mask, prefills,
                               decode_tables, decode_lens, sliding_window,
-                              native=use_native_decode, amx=amx)
+                              native=use_native_decode, amx=amx,
+                              batch_invariant=batch_invariant)
 
 
 def pack_aligned(parts: list, dtype, device: torch.device) -> list[torch.Tensor]:
@@ -292,7 +296,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         from kernels.cpu_paged_attention import paged_attention_decode
         decoded = paged_attention_decode(query[:plan.num_decodes], kv_cache,
                                          plan.decode_block_tables, plan.decode_seq_lens,
-                                         scale, plan.sliding_window)
+                                         scale, plan.sliding_window, plan.batch_invariant)
         if not plan.prefills:
             return decoded
         out[:plan.num_decodes] = decoded

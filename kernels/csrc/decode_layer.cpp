@@ -237,8 +237,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     else
       write(kv_cache.data_ptr<scalar_t>());
   });
+  // never in batch-invariant mode (worker/models/fused_decode.py)
   const at::Tensor attn = paged_attention_decode(q, kv_cache, block_tables, seq_lens, scale,
-                                                 sliding_window).view({rows, heads * hd});
+                                                 sliding_window, /*batch_invariant=*/false)
+                              .view({rows, heads * hd});
   const at::Tensor o = linear(attn, w[kO], w[kOScales], c10::nullopt, lm + 3);
   std::tie(h, res) = rms_norm(o, *w[kPostNorm], eps, res);
   const at::Tensor gate_up = linear(h, w[kGateUp], w[kGateUpScales], c10::nullopt, lm + 6)

@@ -28,7 +28,8 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
 // paged_attention_decode.cpp: one query token per request over its paged K/V.
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& kv_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                  double scale, std::optional<int64_t> sliding_window);
+                                  double scale, std::optional<int64_t> sliding_window,
+                                  bool batch_invariant);
 
 // silu_and_mul.cpp: SiLU(gate) * up for gate_up = [gate | up], [rows, 2 * inter].
 at::Tensor silu_and_mul(const at::Tensor& gate_up);

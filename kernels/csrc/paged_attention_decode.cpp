@@ -20,7 +20,8 @@
 //
 // Work split: a work item is a request, a contiguous range of its kv heads (all of them
 // when the batch alone keeps the threads busy) and its visible keys, or one partition of
-// them when there are more than kPartition (partial results merged in order, see Plan).
+// them when there are more than a partition's worth (partial results merged in order,
+// see Plan).
 // The item's query heads (G = heads / kv_heads per kv head, GQA: query head h uses kv
 // head h / G) are processed together, so every K and V row is loaded from memory once
 // for all the heads that read it. Threads pull items off a shared counter (requests are
@@ -79,6 +80,7 @@ struct Shape {
   int64_t plane_stride;  // elements from kv_cache[0] to kv_cache[1]
   int64_t kv_per_item;   // kv heads per work item (a contiguous range of them)
   int64_t items_per_req;
+  int64_t partition;     // visible keys per partition (Plan), a multiple of kChunk
 };
 
 // Element offsets of a request's slot rows, position after position: the (block index,
@@ -396,15 +398,22 @@ inline void widen_rows(const T* const* rows, int64_t n, float* buf, const float*
   }
 }
 
-// Partitions: a row's visible keys are cut every kPartition keys, counted from its first
+// Partitions: a row's visible keys are cut every `partition` keys, counted from its first
 // visible key, and each (request, kv-head range, partition) is a work item of its own. At
 // one request the 3 kv heads of the default model were 3 items for 2 threads, one thread
 // doing two: the attention took two items' time (decode_attention.py, batch 1 at 2,048
-// tokens: 0.18 ms a layer call, 0.09-0.11 with the cut). A partition ends in a partial result (running max, sum
-// and unnormalised accumulator per query head) and the thread that finishes a row's last
-// partition merges them, in partition order. The cut depends on the row alone, never on
-// the batch, so a row's result is the same whatever else is in its batch (the
-// batch-invariant mode relies on it); a multiple of kChunk keeps the chunk boundaries.
+// tokens: 0.18 ms a layer call, 0.09-0.11 with the cut). A partition ends in a partial
+// result (running max, sum and unnormalised accumulator per query head) and the thread
+// that finishes a row's last partition merges them, in partition order. A multiple of
+// kChunk keeps the chunk boundaries.
+//
+// How finely (choose_split): in batch-invariant mode every kPartition keys, so the cut
+// depends on the row alone and a row's result is the same whatever else is in its batch
+// and at any thread count (the deterministic mode relies on it). Otherwise, when one or
+// two requests leave fewer items than kItemsPerThread a thread, their rows are cut finer,
+// down to kChunk keys, for about that many items: the default model's Q4_1 step at batch
+// 1 went from 5.89 to 5.16 ms at ~430 tokens and from 4.58 to 4.10 at ~280 (no change
+// at ~170).
 constexpr int64_t kPartition = 512;
 static_assert(kPartition % kChunk == 0);
 
@@ -432,7 +441,7 @@ inline Plan make_plan(const Shape& sh, const int64_t* tables, const int64_t* seq
   for (int64_t d = 0; d < sh.num_decodes; ++d) {
     const int64_t len = seq_lens[d];
     const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-    const int64_t parts = std::max<int64_t>(1, (len - start + kPartition - 1) / kPartition);
+    const int64_t parts = std::max<int64_t>(1, (len - start + sh.partition - 1) / sh.partition);
     for (int64_t r = 0; r < sh.items_per_req; ++r) {
       const int64_t kv0 = r * sh.kv_per_item;
       const Item whole{d, kv0, std::min(sh.kv_per_item, sh.num_kv_heads - kv0), start, len,
@@ -447,8 +456,8 @@ inline Plan make_plan(const Shape& sh, const int64_t* tables, const int64_t* seq
       plan.parts.push_back(parts);
       for (int64_t p = 0; p < parts; ++p) {
         Item part = whole;
-        part.start = start + p * kPartition;
-        part.seq_len = std::min(len, part.start + kPartition);
+        part.start = start + p * sh.partition;
+        part.seq_len = std::min(len, part.start + sh.partition);
         part.partial = plan.num_partials + p;
         part.group = group;
         plan.items.push_back(part);
@@ -672,22 +681,31 @@ void run_for_head_dim(const Shape& sh, const T* query, const C* cache, const int
 
 // Work items per request: whole slot rows (all kv heads, the most contiguous reads)
 // when there are enough requests to keep every thread busy, else the kv heads are
-// split into ranges so that there are about kItemsPerThread items per thread.
+// split into ranges so that there are about kItemsPerThread items per thread; if that
+// still leaves fewer, and the call need not be batch-invariant, the rows' keys are
+// partitioned finer (see kPartition). `longest`: the most visible keys of any request.
 constexpr int64_t kItemsPerThread = 4;
 
-void choose_split(Shape& sh, int64_t num_threads) {
+void choose_split(Shape& sh, int64_t num_threads, int64_t longest, bool batch_invariant) {
   const int64_t want = kItemsPerThread * std::max<int64_t>(num_threads, 1);
   const int64_t d = std::max<int64_t>(sh.num_decodes, 1);
   const int64_t pieces = std::max<int64_t>(1, std::min(sh.num_kv_heads, (want + d - 1) / d));
   sh.kv_per_item = std::max<int64_t>(1, (sh.num_kv_heads + pieces - 1) / pieces);
   sh.items_per_req = (sh.num_kv_heads + sh.kv_per_item - 1) / sh.kv_per_item;
+  sh.partition = kPartition;
+  const int64_t items = sh.num_decodes * sh.items_per_req;
+  if (batch_invariant || items == 0 || items >= want) return;
+  const int64_t per_row = (want + items - 1) / items;  // partitions wanted per item
+  const int64_t keys = (longest + per_row - 1) / per_row;
+  sh.partition = std::clamp((keys + kChunk - 1) / kChunk * kChunk, kChunk, kPartition);
 }
 
 }  // namespace
 
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& kv_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                  double scale, std::optional<int64_t> sliding_window) {
+                                  double scale, std::optional<int64_t> sliding_window,
+                                  bool batch_invariant) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() &&
                   block_tables.device().is_cpu() && seq_lens.device().is_cpu(),
               "paged_attention_decode: CPU tensors only");
@@ -732,10 +750,12 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& kv_
   // an out-of-range block id would otherwise read outside the cache.
   const int64_t* tab = tables.data_ptr<int64_t>();
   const int64_t* len = lens.data_ptr<int64_t>();
+  int64_t longest = 0;  // visible keys
   for (int64_t d = 0; d < sh.num_decodes; ++d) {
     TORCH_CHECK(len[d] >= 0 && len[d] <= sh.max_blocks * sh.block_size,
                 "seq_lens[", d, "] = ", len[d], " does not fit its block table");
     const int64_t start = window > 0 ? std::max<int64_t>(0, len[d] - window) : 0;
+    longest = std::max(longest, len[d] - start);
     const int64_t first = start / sh.block_size;
     const int64_t last = (len[d] + sh.block_size - 1) / sh.block_size;
     for (int64_t b = first; b < last; ++b) {
@@ -746,7 +766,7 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& kv_
   }
   if (sh.num_decodes == 0 || sh.num_heads == 0 || sh.head_dim == 0) return out;
 
-  choose_split(sh, at::get_num_threads());
+  choose_split(sh, at::get_num_threads(), longest, batch_invariant);
   const float fscale = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_decode", [&] {
@@ -775,7 +795,8 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& kv_
 TORCH_LIBRARY_FRAGMENT(folio, m) {
   m.def(
       "paged_attention_decode(Tensor query, Tensor kv_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, int? sliding_window=None) -> Tensor");
+      "Tensor seq_lens, float scale, int? sliding_window=None, bool batch_invariant=False) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(folio, CPU, m) {

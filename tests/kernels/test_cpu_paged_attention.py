@@ -190,22 +190,57 @@ def test_large_scores_rescale_across_partitions():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_long_row_is_the_same_alone_and_in_any_batch(dtype):
-    # The cut depends on the row alone: batch-invariant mode (README) relies on it.
-    q, cache, tables, lens = make_decode_batch([1300, 40, 700, 2, 600, 900], 16, 9, 3, 64,
-                                               dtype, seed=5)
-    batch = cpa.paged_attention_decode(q, cache, tables, lens, 0.125)
-    for r in (0, 2, 4):
+def test_a_row_is_the_same_alone_and_in_any_batch_when_batch_invariant(dtype):
+    # The cut depends on the row alone: batch-invariant mode (README) relies on it. Alone,
+    # rows 1 (700 keys) and 6 (170) would be cut finer without the flag.
+    q, cache, tables, lens = make_decode_batch([1300, 40, 700, 2, 600, 900, 170], 16, 9, 3,
+                                               64, dtype, seed=5)
+    batch = cpa.paged_attention_decode(q, cache, tables, lens, 0.125, batch_invariant=True)
+    for r in (0, 2, 4, 6):
         alone = cpa.paged_attention_decode(q[r:r + 1], cache, tables[r:r + 1],
-                                           lens[r:r + 1], 0.125)
+                                           lens[r:r + 1], 0.125, batch_invariant=True)
         assert torch.equal(alone[0], batch[r])
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = cpa.paged_attention_decode(q, cache, tables, lens, 0.125)
+        one = cpa.paged_attention_decode(q, cache, tables, lens, 0.125, batch_invariant=True)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, batch)
+
+
+# One or two requests leave the threads short of work items: without batch_invariant
+# their keys are cut finer than every 512 (down to 64), and the partial results merged.
+@pytest.mark.parametrize("lens", [[100], [170], [300], [511], [700], [1500], [170, 430]],
+                         ids=str)
+@pytest.mark.parametrize("window", [None, 90])
+def test_one_or_two_requests_are_cut_finer(lens, window):
+    q, cache, tables, seq_lens = make_decode_batch(lens, 16, 9, 3, 64, torch.float32,
+                                                   seed=7, q_scale=8.0)
+    for r in range(len(lens)):  # keys growing along the row: later partitions win
+        for p in range(lens[r]):
+            cache[0, tables[r, p // 16], p % 16] *= 1 + p / 100
+    fine = cpa.paged_attention_decode(q, cache, tables, seq_lens, 0.125, window)
+    ref64 = reference(q.double(), cache.double(), tables, seq_lens, 0.125, window)
+    torch.testing.assert_close(fine.double(), ref64, atol=2e-5, rtol=2e-5)
+    whole = cpa.paged_attention_decode(q, cache, tables, seq_lens, 0.125, window,
+                                       batch_invariant=True)
+    torch.testing.assert_close(whole.double(), ref64, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("lens", [[170], [300], [700], [170, 430]], ids=str)
+def test_the_finer_cut_is_taken_only_without_batch_invariant(lens):
+    # Cut differently, the partial sums add up in another order: some bits differ.
+    q, cache, tables, seq_lens = make_decode_batch(lens, 16, 9, 3, 64, torch.float32, seed=8)
+    fine = cpa.paged_attention_decode(q, cache, tables, seq_lens, 0.125)
+    whole = cpa.paged_attention_decode(q, cache, tables, seq_lens, 0.125, batch_invariant=True)
+    assert not torch.equal(fine, whole)
+    # with as many requests as the threads want items (4 each), nothing is cut finer
+    many = lens * (4 * torch.get_num_threads())
+    q, cache, tables, seq_lens = make_decode_batch(many, 16, 9, 3, 64, torch.float32, seed=8)
+    assert torch.equal(cpa.paged_attention_decode(q, cache, tables, seq_lens, 0.125),
+                       cpa.paged_attention_decode(q, cache, tables, seq_lens, 0.125,
+                                                  batch_invariant=True))
 
 
 def test_int32_tables_and_strided_query():
