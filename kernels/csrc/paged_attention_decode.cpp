@@ -412,8 +412,8 @@ inline void widen_rows(const T* const* rows, int64_t n, float* buf, const float*
 // and at any thread count (the deterministic mode relies on it). Otherwise, when one or
 // two requests leave fewer items than kItemsPerThread a thread, their rows are cut finer,
 // down to kChunk keys, for about that many items: the default model's Q4_1 step at batch
-// 1 went from 5.89 to 5.16 ms at ~430 tokens and from 4.58 to 4.10 at ~280 (no change
-// at ~170).
+// 1 ran 1.12x as fast at ~300 tokens and 1.09x at ~450, within noise at ~950
+// (benchmarks/decode_checkouts.py, three alternated pairs; README).
 constexpr int64_t kPartition = 512;
 static_assert(kPartition % kChunk == 0);
 
@@ -694,7 +694,7 @@ void choose_split(Shape& sh, int64_t num_threads, int64_t longest, bool batch_in
   sh.items_per_req = (sh.num_kv_heads + sh.kv_per_item - 1) / sh.kv_per_item;
   sh.partition = kPartition;
   const int64_t items = sh.num_decodes * sh.items_per_req;
-  if (batch_invariant || items == 0 || items >= want) return;
+  if (batch_invariant || items >= want) return;
   const int64_t per_row = (want + items - 1) / items;  // partitions wanted per item
   const int64_t keys = (longest + per_row - 1) / per_row;
   sh.partition = std::clamp((keys + kChunk - 1) / kChunk * kChunk, kChunk, kPartition);

@@ -192,7 +192,7 @@ def test_large_scores_rescale_across_partitions():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_row_is_the_same_alone_and_in_any_batch_when_batch_invariant(dtype):
     # The cut depends on the row alone: batch-invariant mode (README) relies on it. Alone,
-    # rows 1 (700 keys) and 6 (170) would be cut finer without the flag.
+    # rows 2 (700 keys) and 6 (170) would be cut finer without the flag.
     q, cache, tables, lens = make_decode_batch([1300, 40, 700, 2, 600, 900, 170], 16, 9, 3,
                                                64, dtype, seed=5)
     batch = cpa.paged_attention_decode(q, cache, tables, lens, 0.125, batch_invariant=True)
