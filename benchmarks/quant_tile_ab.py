@@ -3,8 +3,10 @@
 Builds ``kernels/csrc/quant_tiles.h`` as it was at ``--base`` (a git revision) and as it is
 in the working tree into one small program, each copy in its own namespace, and times
 their widening tile (``--tile int8``: the AVX2 int8 tile; ``--tile int16``: the int16
-tile; ``--tile bf16``: the bf16 tile) (one thread, one activation row) on the same random matrix in each GGUF format,
-alternating A B A B; prints the best time of each, the ratio, and whether the two
+tile; ``--tile bf16``: the bf16 tile; ``--tile vnni``: the AVX512-VNNI int8 tile) (one
+thread, one activation row) on the same random matrix in each GGUF format (``--n`` x
+``--k``: the default fits the L2 with the tile's arithmetic in view; a matrix larger than
+the last-level cache streams from memory as a decode step's layers do), alternating A B A B; prints the best time of each, the ratio, and whether the two
 outputs are bit for bit equal. ``--march`` builds for another instruction set than this
 machine's (``haswell``: the AVX2 forms, which this machine runs too).
 
@@ -97,6 +99,23 @@ BY_FORMAT(int16_{v}, dot16)
 #endif
 """
 
+# The AVX512-VNNI int8 tile (the int8 route's tile where the CPU has VNNI: one row takes it
+# on the AVX-512 EPYC).
+VNNI_UNIT = """#ifdef FOLIO_QUANT_VNNI512
+template <int64_t Fmt>
+void dotvnni(const uint8_t* qs, const uint8_t* sc, long B, long groups, const float* x,
+             const float*, float* out) {{
+  using namespace folio_{v}::quant;
+  long qsz, ssz;
+  layout_{v}(Fmt, B, &qsz, &ssz);
+  QuantizedRows xr;  // one activation row, quantized per block as the int8 routes take it
+  quantize_rows(x, B * 32, 1, B * 32, xr);
+  for (long g = 0; g < groups; ++g)
+    tile_vnni512<Fmt, 1>(qs + g * qsz, sc + g * ssz, B, xr, 0, out + 16 * g);
+}}
+BY_FORMAT(vnni_{v}, dotvnni)
+#endif
+"""
 # The bf16 tile (AVX512-BF16 builds only; Q8_0 widens, as in its route): x rounded to bf16
 # and laid out in pairs as quant_linear.cpp lays it out.
 BF16_UNIT = """#ifdef __AVX512BF16__
@@ -129,14 +148,20 @@ MAIN = r"""#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <omp.h>
 #include <random>
 #include <vector>
 extern "C" void TILE_a(long, const uint8_t*, const uint8_t*, long, long, const float*, const float*, float*);
 extern "C" void TILE_b(long, const uint8_t*, const uint8_t*, long, long, const float*, const float*, float*);
 extern "C" void layout_a(long, long, long*, long*);
 extern "C" void layout_b(long, long, long*, long*);
+// argv: N K reps threads copies. `copies` matrices are multiplied in turn (a decode
+// step's layers, one after another); each matrix's groups are split evenly between the
+// threads, which meet after each matrix as at::parallel_for's calls do.
 int main(int argc, char** argv) {
   const long N = atol(argv[1]), K = atol(argv[2]), reps = atol(argv[3]);
+  const int threads = argc > 4 ? atoi(argv[4]) : 1;
+  const long copies = argc > 5 ? atol(argv[5]) : 1;
   const long B = K / 32, groups = N / 16;
   std::mt19937 rng(1);
   const long formats[] = {12, 14, 3, 2, 8};  // ggml ids: Q4_K, Q6_K, Q4_1, Q4_0, Q8_0
@@ -150,23 +175,34 @@ int main(int argc, char** argv) {
       fprintf(stderr, "the two revisions pack the weights differently: no common input\n");
       return 1;
     }
-    std::vector<uint8_t> qs(groups * qsz), sc(groups * ssz);
+    std::vector<uint8_t> qs(copies * groups * qsz), sc(copies * groups * ssz);
     for (auto& b : qs) b = rng();
     for (auto& b : sc) b = rng() & 0x3f;  // fp16 halves stay small and finite
-    std::vector<float> x(K), xsum(2 * B, 0.5f), out_a(N), out_b(N);
+    std::vector<float> x(K), xsum(2 * B, 0.5f), out_a(copies * N), out_b(copies * N);
     for (auto& v : x) v = (rng() % 1000) / 500.f - 1.f;
     double best[2] = {1e9, 1e9};
     for (long rep = 0; rep < reps; ++rep)
       for (int w = 0; w < 2; ++w) {
+        float* out = w ? out_b.data() : out_a.data();
         const auto t = std::chrono::steady_clock::now();
-        (w ? TILE_b : TILE_a)(fmt, qs.data(), sc.data(), B, groups, x.data(), xsum.data(),
-                                w ? out_b.data() : out_a.data());
+        for (long c = 0; c < copies; ++c) {
+          const uint8_t* q = qs.data() + c * groups * qsz;
+          const uint8_t* s = sc.data() + c * groups * ssz;
+#pragma omp parallel num_threads(threads)
+          {
+            const long per = (groups + threads - 1) / threads;
+            const long g0 = omp_get_thread_num() * per, g1 = g0 + per < groups ? g0 + per : groups;
+            if (g0 < g1)
+              (w ? TILE_b : TILE_a)(fmt, q + g0 * qsz, s + g0 * ssz, B, g1 - g0, x.data(),
+                                    xsum.data(), out + c * N + 16 * g0);
+          }
+        }
         const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
         if (s < best[w]) best[w] = s;
       }
     printf("{\"format\": \"%s\", \"base_ms\": %.4f, \"tree_ms\": %.4f, \"identical\": %s}\n",
            names[f], best[0] * 1e3, best[1] * 1e3,
-           std::memcmp(out_a.data(), out_b.data(), N * 4) == 0 ? "true" : "false");
+           std::memcmp(out_a.data(), out_b.data(), copies * N * 4) == 0 ? "true" : "false");
   }
 }
 """
@@ -186,7 +222,7 @@ def build(base: str, march: str, folder: Path, tile: str = "widen") -> Path:
         '"quant_pack.h"', f'"{CSRC}/quant_pack.h"'))
     for v in "ab":
         (folder / f"tu_{v}.cpp").write_text(TRANSLATION_UNIT.format(v=v) + (
-            {"int16": INT16_UNIT, "bf16": BF16_UNIT}.get(tile, "").format(v=v)))
+            {"int16": INT16_UNIT, "bf16": BF16_UNIT, "vnni": VNNI_UNIT}.get(tile, "").format(v=v)))
     (folder / "main.cpp").write_text(MAIN.replace("TILE", tile))
     lib = Path(torch.__file__).parent / "lib"
     program = folder / f"ab_{tile}_{march}"
@@ -205,24 +241,31 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=5632, help="weight rows (a multiple of 16)")
     ap.add_argument("--k", type=int, default=2048, help="inputs (a multiple of 256)")
     ap.add_argument("--reps", type=int, default=40)
-    ap.add_argument("--tile", choices=["widen", "int8", "int16", "bf16"], default="widen",
+    ap.add_argument("--threads", type=int, default=1,
+                    help="threads splitting each matrix's row groups (1: one tile stream)")
+    ap.add_argument("--copies", type=int, default=1,
+                    help="matrices multiplied in turn per timed pass (layer after layer)")
+    ap.add_argument("--tile", choices=["widen", "int8", "int16", "bf16", "vnni"], default="widen",
                     help="widen: the widening tile; int8: the AVX2 int8 tile (tile_avx2); "
                          "int16: the int16 tile (Q6_K widens, as in its route); bf16: the "
-                         "bf16 tile (AVX512-BF16; Q8_0 widens, as in its route)")
+                         "bf16 tile (AVX512-BF16; Q8_0 widens, as in its route); vnni: the "
+                         "AVX512-VNNI int8 tile (tile_vnni512)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     report = {"machine": machine_facts(), "base": args.base, "tile": args.tile, "n": args.n,
-              "k": args.k,
+              "k": args.k, "threads": args.threads, "copies": args.copies,
               "results": {}}
     with tempfile.TemporaryDirectory() as tmp:
         for march in args.march:
             program = build(args.base, march, Path(tmp), args.tile)
-            out = subprocess.run([str(program), str(args.n), str(args.k), str(args.reps)],
+            out = subprocess.run([str(program), str(args.n), str(args.k), str(args.reps),
+                                  str(args.threads), str(args.copies)],
                                  check=True, capture_output=True, text=True).stdout
             rows = [json.loads(line) for line in out.splitlines()]
             report["results"][march] = rows
             for row in rows:
-                print(f"-march={march} {row['format']} {args.tile} tile, 1 thread: "
+                print(f"-march={march} {row['format']} {args.tile} tile, {args.threads} thread(s), "
+                      f"{args.copies} matrix(es): "
                       f"{args.base} {row['base_ms']:.3f} ms, tree {row['tree_ms']:.3f} ms "
                       f"({row['base_ms'] / row['tree_ms']:.2f}x), outputs bit for bit equal: "
                       f"{row['identical']}", flush=True)
