@@ -135,6 +135,7 @@ def _tiny_env(tiny_llama_dir, default_model_path) -> tuple[dict, int]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    # a short path (a unix socket's path is at most 107 bytes); the callers remove it
     sockets = tempfile.mkdtemp(prefix="folio-compose-")
     return {**os.environ, "PYTHONPATH": str(REPO), "FOLIO_SERVICES__SOCKET_DIR": sockets,
             "FOLIO_SERVICES__API_HOST": "127.0.0.1", "FOLIO_SERVICES__API_PORT": str(port),
@@ -172,6 +173,7 @@ def test_compose_commands_start_locally_with_the_same_arguments(compose, tiny_ll
             time.sleep(0.2)
     finally:
         statuses = _stop(procs)
+        shutil.rmtree(env["FOLIO_SERVICES__SOCKET_DIR"], ignore_errors=True)
     receiver.close()
     shutil.rmtree(app, ignore_errors=True)
     assert statuses == [0, 0, 0]
@@ -197,4 +199,5 @@ def test_profile_tp2_commands_start_locally_with_the_same_arguments(
         _complete(port)
     finally:
         statuses = _stop(procs)
+        shutil.rmtree(env["FOLIO_SERVICES__SOCKET_DIR"], ignore_errors=True)
     assert statuses == [0, 0, 0, 0]
