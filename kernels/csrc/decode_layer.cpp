@@ -22,21 +22,39 @@
 // Scope: the KV cache in the activation dtype or fp8 (an fp8 cache takes keys and values
 // as kernels/kv_quant.py quantizes them; int8 caches take the unfused layer), no LoRA, no
 // tensor parallelism: the caller checks (worker/models/fused_decode.py).
+//
+// decode_layers runs a step's layers one after another, each op with its own parallel
+// region; at one row with quantized weights it runs them all in one (the one-row stack,
+// below), with the same bits.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <torch/library.h>
 
+#include <omp.h>
+
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <optional>
+#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <vector>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define FOLIO_SPIN_PAUSE() _mm_pause()
+#else
+#define FOLIO_SPIN_PAUSE() ((void)0)
+#endif
+
 #include "cpu_vec.h"
 #include "kernel_entries.h"
+#include "quant_pack.h"
 #include "rotary.h"
 
 namespace folio {
@@ -73,6 +91,15 @@ at::Tensor prepacked_linear(const at::Tensor& x, const at::Tensor& packed, const
   return stack[0].toTensor();
 }
 
+// quant_linear's route for a quantized weight on `path` (not kNative or kMkldnn).
+int64_t quant_route(int64_t path) {
+  return path == kInt8      ? kQuantBestInt8Route
+         : path == kBf16Dot ? kQuantBf16DotRoute
+         : path == kAmx     ? kQuantAmxRoute
+         : path == kInt16   ? kQuantInt16Route
+                            : kQuantWidenRoute;
+}
+
 // x @ W.T (+ bias) through `path`, as linear_paths.run_path computes it. A weight with
 // scales is packed (qs, scales, fmt, n); otherwise it is a plain [n, k] tensor, and on
 // the mkldnn path the scales slot holds its oneDNN copy.
@@ -87,12 +114,7 @@ at::Tensor linear(const at::Tensor& x, const OptTensor& w, const OptTensor& scal
     if (path == kNative)
       return at::linear(x, quant::quant_dequantize(*w, *scales, fmt, n, c10::nullopt,
                                                    x.scalar_type()), bias);
-    return quant::quant_linear(x, *w, *scales, fmt, n, bias,
-                               path == kInt8      ? kQuantBestInt8Route
-                               : path == kBf16Dot ? kQuantBf16DotRoute
-                               : path == kAmx     ? kQuantAmxRoute
-                               : path == kInt16   ? kQuantInt16Route
-                                                  : kQuantWidenRoute);
+    return quant::quant_linear(x, *w, *scales, fmt, n, bias, quant_route(path));
   }
   if (path == kKernel) return half_linear(x, *w, bias);
   if (path == kAmx) return amx_linear(x, *w, bias);
@@ -119,20 +141,29 @@ inline C to_cache(T x) {
   }
 }
 
-// Rotates q into `q_out` [rows, heads, hd] and k into its cache slot; copies v there
-// (both converted to the cache's type C).
+// Rotates the rows' queries into `q_out` [rows, heads, hd].
+template <typename T>
+void rotate_queries(const T* qkv, int64_t rows, int64_t heads, int64_t kv_heads, int64_t hd,
+                    const T* cos, const T* sin, T* q_out) {
+  const int64_t half = hd / 2, ld = (heads + 2 * kv_heads) * hd;
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t h = 0; h < heads; ++h)
+      rope::rotate(qkv + t * ld + h * hd, cos + t * half, sin + t * half, half,
+                   q_out + (t * heads + h) * hd);
+}
+
+// Rotates the rows' keys into their cache slots and copies their values there (both
+// converted to the cache's type C).
 template <typename T, typename C>
-void rope_and_cache(const T* qkv, int64_t rows, int64_t heads, int64_t kv_heads,
-                    int64_t hd, const T* cos, const T* sin, const int64_t* slots,
-                    T* q_out, C* k_cache, C* v_cache) {
+void write_keys_values(const T* qkv, int64_t rows, int64_t heads, int64_t kv_heads,
+                       int64_t hd, const T* cos, const T* sin, const int64_t* slots,
+                       C* k_cache, C* v_cache) {
   const int64_t half = hd / 2, ld = (heads + 2 * kv_heads) * hd, kv_row = kv_heads * hd;
   std::vector<T> k_row(std::is_same_v<C, T> ? 0 : static_cast<size_t>(hd));
   for (int64_t t = 0; t < rows; ++t) {
     const T* x = qkv + t * ld;
     const T* c = cos + t * half;
     const T* s = sin + t * half;
-    for (int64_t h = 0; h < heads; ++h)
-      rope::rotate(x + h * hd, c, s, half, q_out + (t * heads + h) * hd);
     C* k = k_cache + slots[t] * kv_row;
     const T* v = x + (heads + kv_heads) * hd;
     if constexpr (std::is_same_v<C, T>) {
@@ -150,11 +181,35 @@ void rope_and_cache(const T* qkv, int64_t rows, int64_t heads, int64_t kv_heads,
   }
 }
 
-void check(const at::Tensor& hidden, const std::vector<OptTensor>& w,
-           const std::vector<int64_t>& meta, const at::Tensor& kv_cache,
-           const at::Tensor& slot_mapping, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(w.size() == kNumSlots, "decode_layer: weights must hold ", kNumSlots, " entries");
-  TORCH_CHECK(meta.size() == kNumMeta, "decode_layer: meta must hold ", kNumMeta, " ints");
+// The rows' cache slot lines requested for writing: the stores after the q/k/v
+// projection then do not wait on memory (at 32 rows they had taken 30 us a layer, one
+// miss after another).
+void prefetch_slots(const at::Tensor& kv_cache, const int64_t* slots, int64_t rows) {
+  const int64_t kv_row_bytes = kv_cache.size(3) * kv_cache.size(4) * kv_cache.element_size();
+  const int64_t plane = kv_cache.size(1) * kv_cache.size(2) * kv_row_bytes;
+  const char* base = static_cast<const char*>(kv_cache.const_data_ptr());
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t b = 0; b < kv_row_bytes; b += 64) {
+      __builtin_prefetch(base + slots[t] * kv_row_bytes + b, 1);
+      __builtin_prefetch(base + plane + slots[t] * kv_row_bytes + b, 1);
+    }
+}
+
+// Calls f with a null pointer of the cache's element type: the activations' T or fp8.
+template <typename T, typename F>
+void with_cache_type(const at::Tensor& kv_cache, F&& f) {
+  if (kv_cache.scalar_type() == at::kFloat8_e4m3fn)
+    f(static_cast<c10::Float8_e4m3fn*>(nullptr));
+  else if (kv_cache.scalar_type() == at::kFloat8_e5m2)
+    f(static_cast<c10::Float8_e5m2*>(nullptr));
+  else
+    f(static_cast<T*>(nullptr));
+}
+
+// w: the layer's kNumSlots operands, meta: its kNumMeta ints
+void check(const at::Tensor& hidden, const OptTensor* w, const int64_t* meta,
+           const at::Tensor& kv_cache, const at::Tensor& slot_mapping, const at::Tensor& cos,
+           const at::Tensor& sin) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(),
               "decode_layer: hidden must be contiguous [rows, hidden]");
   const int64_t rows = hidden.size(0), hd = meta[kHeadDim], kv_heads = meta[kKvHeads];
@@ -189,25 +244,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     const at::Tensor& cos, const at::Tensor& sin, double eps, double scale,
     std::optional<int64_t> sliding_window) {
-  check(hidden, w, meta, kv_cache, slot_mapping, cos, sin);
+  TORCH_CHECK(w.size() == kNumSlots, "decode_layer: weights must hold ", kNumSlots, " entries");
+  TORCH_CHECK(meta.size() == kNumMeta, "decode_layer: meta must hold ", kNumMeta, " ints");
+  check(hidden, w.data(), meta.data(), kv_cache, slot_mapping, cos, sin);
   const int64_t rows = hidden.size(0), heads = meta[kHeads], kv_heads = meta[kKvHeads],
                 hd = meta[kHeadDim];
   const int64_t* lm = meta.data() + kLinearMeta;  // (path, fmt, n) per linear layer
 
-  // The rows' cache slots are written after the q/k/v projection: request their lines
-  // for writing now, so that those stores do not wait on memory (at 32 rows they had
-  // taken 30 us a layer, one miss after another).
-  {
-    const int64_t kv_row_bytes = kv_heads * hd * kv_cache.element_size();
-    const int64_t plane = kv_cache.size(1) * kv_cache.size(2) * kv_row_bytes;
-    const char* base = static_cast<const char*>(kv_cache.const_data_ptr());
-    const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
-    for (int64_t t = 0; t < rows; ++t)
-      for (int64_t b = 0; b < kv_row_bytes; b += 64) {
-        __builtin_prefetch(base + slots[t] * kv_row_bytes + b, 1);
-        __builtin_prefetch(base + plane + slots[t] * kv_row_bytes + b, 1);
-      }
-  }
+  prefetch_slots(kv_cache, slot_mapping.const_data_ptr<int64_t>(), rows);
   auto [h, res] = rms_norm(hidden, *w[kInNorm], eps, residual);
   if (!res.defined()) res = hidden;  // the first layer: the residual is its input
   at::Tensor qkv;
@@ -224,18 +268,16 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   const int64_t plane = kv_cache.size(1) * kv_cache.size(2) * kv_heads * hd;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, hidden.scalar_type(),
                                   "decode_layer", [&] {
-    const auto write = [&](auto* cache) {
-      rope_and_cache(qkv.const_data_ptr<scalar_t>(), rows, heads, kv_heads, hd,
-                     cos.const_data_ptr<scalar_t>(), sin.const_data_ptr<scalar_t>(),
-                     slot_mapping.const_data_ptr<int64_t>(), q.data_ptr<scalar_t>(), cache,
-                     cache + plane);
-    };
-    if (kv_cache.scalar_type() == at::kFloat8_e4m3fn)
-      write(kv_cache.data_ptr<c10::Float8_e4m3fn>());
-    else if (kv_cache.scalar_type() == at::kFloat8_e5m2)
-      write(kv_cache.data_ptr<c10::Float8_e5m2>());
-    else
-      write(kv_cache.data_ptr<scalar_t>());
+    const scalar_t* x = qkv.const_data_ptr<scalar_t>();
+    const scalar_t* c = cos.const_data_ptr<scalar_t>();
+    const scalar_t* s = sin.const_data_ptr<scalar_t>();
+    rotate_queries(x, rows, heads, kv_heads, hd, c, s, q.data_ptr<scalar_t>());
+    with_cache_type<scalar_t>(kv_cache, [&](auto* type) {
+      using C = std::remove_pointer_t<decltype(type)>;
+      C* cache = static_cast<C*>(kv_cache.data_ptr());
+      write_keys_values(x, rows, heads, kv_heads, hd, c, s,
+                        slot_mapping.const_data_ptr<int64_t>(), cache, cache + plane);
+    });
   });
   // never in batch-invariant mode (worker/models/fused_decode.py)
   const at::Tensor attn = paged_attention_decode(q, kv_cache, block_tables, seq_lens, scale,
@@ -248,6 +290,217 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   // SiLU and product in one pass, with the bits of torch's two ops (silu_and_mul.cpp)
   const at::Tensor act = silu_and_mul(gate_up);
   return {linear(act, w[kDown], w[kDownScales], c10::nullopt, lm + 9), res};
+}
+
+// ---- one row: every layer in one parallel region ---------------------------------------
+//
+// At one decode row each op of a layer is a few microseconds (the default model's linear
+// layers 6-33 us at two threads, attention ~20, norms, RoPE and SiLU 1-3 each), and
+// decode_layer pays per linear layer ~1.3 us of parallel region and 1.3-2.5 us of serial
+// preparation (output allocation, checks, quantizing the activations) while the other
+// thread waits: ~15 us of a ~95 us layer (the AVX-512 EPYC, timed inside the op). Here
+// one parallel region runs every layer. Each thread computes the row's vector work
+// (norms, RoPE, SiLU, quantizing the activations) itself, into its own buffers, with the
+// same functions and so the same values; the linear layers' row groups and attention's
+// work items are shared out, and the threads meet at a barrier wherever one needs the
+// others' output. The same kernels and roundings give the same bits as decode_layer.
+// The default Q4_1 model's batch-1 step, before / after: 1.25x at 128 prompt tokens,
+// 1.21x at 400 (four alternated pairs, benchmarks/decode_checkouts.py; README).
+
+// Threads of one team wait here for each other, spinning (a team holds its cores for
+// the whole step; OpenMP's barrier would do, at a higher price per meeting).
+class SpinBarrier {
+ public:
+  void set_size(int n) { size_ = n; }
+  void wait() {
+    const int gen = gen_.load(std::memory_order_acquire);
+    if (count_.fetch_add(1, std::memory_order_acq_rel) + 1 == size_) {
+      count_.store(0, std::memory_order_relaxed);
+      gen_.store(gen + 1, std::memory_order_release);
+      return;
+    }
+    for (int spins = 0; gen_.load(std::memory_order_acquire) == gen; ++spins) {
+      if (spins < 1 << 16) {
+        FOLIO_SPIN_PAUSE();
+      } else {
+        std::this_thread::yield();  // oversubscribed: let the others run
+      }
+    }
+  }
+
+ private:
+  std::atomic<int> count_{0}, gen_{0};
+  int size_ = 1;
+};
+
+// A quantized linear layer of the one-row stack.
+struct RowLinear {
+  const uint8_t* qs;
+  const uint8_t* scales;
+  int64_t fmt, n, k, route;  // route: as quant::row_route resolves it
+  const float* bias;         // qkv's, in float32 (quant_linear converts it so), or null
+  int64_t groups() const { return (n + quant::kGroupRows - 1) / quant::kGroupRows; }
+};
+
+// A layer of the one-row stack.
+struct RowLayer {
+  const void* in_norm;
+  const void* post_norm;
+  RowLinear qkv, o, gate_up, down;
+  void* cache;  // keys; values plane elements later
+};
+
+// The operands of `layers` layers if the one-row stack takes them, else nothing: one
+// row, at least two threads and not already in a parallel region, activations in a
+// type every kernel here takes, and every linear layer quantized, on a route that takes
+// one row by itself (not AMX's tiles, not dequantised), in one format (no q/k/v tail).
+// `qkv_bias` receives the layers' qkv biases in float32.
+std::optional<std::vector<RowLayer>> row_layers(
+    const at::Tensor& hidden, const std::vector<OptTensor>& w, const std::vector<int64_t>& meta,
+    const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
+    const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor>& qkv_bias) {
+  const int64_t layers = static_cast<int64_t>(kv_caches.size());
+  const auto dtype = hidden.scalar_type();
+  if (layers == 0 || hidden.dim() != 2 || hidden.size(0) != 1 || at::get_num_threads() < 2 ||
+      at::in_parallel_region() || !silu_and_mul_takes(dtype) ||
+      !(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat))
+    return std::nullopt;
+  std::vector<RowLayer> out;
+  for (int64_t i = 0; i < layers; ++i) {
+    const OptTensor* wi = w.data() + i * kNumSlots;
+    const int64_t* mi = meta.data() + i * kNumMeta;
+    const int64_t* lm = mi + kLinearMeta;
+    check(hidden, wi, mi, kv_caches[i], slot_mapping, cos, sin);  // decode_layer's checks
+    // one head shape, MLP width and cache layout for all (the stack plans attention once)
+    if (has(wi[kQkvTail]) || kv_caches[i].sizes() != kv_caches[0].sizes() ||
+        kv_caches[i].scalar_type() != kv_caches[0].scalar_type() ||
+        !std::equal(mi, mi + kLinearMeta, meta.data()) || lm[8] != meta[kLinearMeta + 8])
+      return std::nullopt;
+    for (int l = 0; l < 4; ++l)  // slots: qkv 2-3, o 5-6, gate_up 7-8, down 9-10
+      if (lm[3 * l] == kNative || lm[3 * l] == kMkldnn || !has(wi[kQkv + 2 * l + (l > 0)]) ||
+          !has(wi[kQkvScales + 2 * l + (l > 0)]) ||
+          quant::row_route(quant_route(lm[3 * l]), lm[3 * l + 1], dtype) < 0)
+        return std::nullopt;
+    const int64_t heads = mi[kHeads], kv_heads = mi[kKvHeads], hd = mi[kHeadDim];
+    const int64_t hidden_size = hidden.size(1);
+    const int64_t inter = lm[8] / 2;
+    const auto linear = [&](int slot, const int64_t* m, int64_t k, int64_t n_want,
+                            const float* bias) {
+      const at::Tensor& qs = *wi[slot];
+      const at::Tensor& sc = *wi[slot + 1];
+      quant::check_quant_weight(k, qs, sc, m[1], m[2]);
+      TORCH_CHECK(m[2] == n_want, "decode_layer: a linear layer's width does not match the "
+                  "model's shape");
+      return RowLinear{qs.const_data_ptr<uint8_t>(),
+                       static_cast<const uint8_t*>(sc.const_data_ptr()), m[1], m[2], k,
+                       quant::row_route(quant_route(m[0]), m[1], dtype), bias};
+    };
+    const float* bias = nullptr;
+    if (has(wi[kQkvBias])) {
+      TORCH_CHECK(wi[kQkvBias]->numel() == (heads + 2 * kv_heads) * hd,
+                  "decode_layer: qkv bias does not match the head shape");
+      qkv_bias.push_back(wi[kQkvBias]->to(at::kFloat).contiguous());
+      bias = qkv_bias.back().const_data_ptr<float>();
+    }
+    for (int slot : {kInNorm, kPostNorm})
+      TORCH_CHECK(wi[slot]->scalar_type() == dtype && wi[slot]->is_contiguous() &&
+                      wi[slot]->numel() == hidden_size,
+                  "decode_layer: the norm weights must be contiguous [hidden] in hidden's dtype");
+    out.push_back(RowLayer{wi[kInNorm]->const_data_ptr(), wi[kPostNorm]->const_data_ptr(),
+                           linear(kQkv, lm, hidden_size, (heads + 2 * kv_heads) * hd, bias),
+                           linear(kO, lm + 3, heads * hd, hidden_size, nullptr),
+                           linear(kGateUp, lm + 6, hidden_size, 2 * inter, nullptr),
+                           linear(kDown, lm + 9, inter, hidden_size, nullptr),
+                           kv_caches[i].data_ptr()});
+  }
+  return out;
+}
+
+// Every layer at one row (row_layers took them), as decode_layers.
+template <typename T>
+std::tuple<at::Tensor, at::Tensor> decode_layers_one_row(
+    const at::Tensor& hidden, const std::vector<RowLayer>& layers,
+    const std::vector<int64_t>& meta, const std::vector<at::Tensor>& kv_caches,
+    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+    const at::Tensor& cos, const at::Tensor& sin, double eps, double scale,
+    std::optional<int64_t> sliding_window) {
+  const int64_t H = hidden.size(1), heads = meta[kHeads], kv_heads = meta[kKvHeads],
+                hd = meta[kHeadDim], qkv_n = (heads + 2 * kv_heads) * hd,
+                inter = layers[0].gate_up.n / 2;
+  const auto dtype = hidden.scalar_type();
+  const auto opts = hidden.options();
+  // shared: the linear layers' outputs and attention's; `out` ends as the result
+  at::Tensor qkv = at::empty({qkv_n}, opts), attn = at::empty({1, heads, hd}, opts),
+             o = at::empty({H}, opts), gate_up = at::empty({2 * inter}, opts),
+             out = at::empty({1, H}, opts), res_out = at::empty({1, H}, opts);
+  const int team_size = at::get_num_threads();
+  // every layer's attention has the same block tables and lengths: planned once
+  const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
+  TeamAttention attention(attn, kv_caches[0], tables, lens, scale, sliding_window, team_size);
+  const int64_t plane = kv_caches[0].size(1) * kv_caches[0].size(2) * kv_heads * hd;
+  const int64_t slot = slot_mapping.const_data_ptr<int64_t>()[0];
+  const T* x_in = hidden.const_data_ptr<T>();
+  const T* c = cos.const_data_ptr<T>();
+  const T* s = sin.const_data_ptr<T>();
+  T* qkv_p = qkv.data_ptr<T>();
+  T* attn_p = attn.data_ptr<T>();
+  T* o_p = o.data_ptr<T>();
+  T* gate_up_p = gate_up.data_ptr<T>();
+  T* out_p = out.data_ptr<T>();
+  const float feps = static_cast<float>(eps);
+  SpinBarrier barrier;
+
+#pragma omp parallel num_threads(team_size)
+  {
+#pragma omp single
+    barrier.set_size(omp_get_num_threads());  // (the single's own barrier publishes it)
+    const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+    // this thread's row: the residual stream, normed activations, queries, SiLU * up
+    std::vector<T> res(H), h(H), q(heads * hd), act(inter);
+    quant::Activations acts;
+    const auto linear = [&](const RowLinear& lin, const T* x, T* y) {
+      quant::prepare_row(lin.route, lin.fmt, x, lin.k, dtype, acts);
+      const int64_t per = (lin.groups() + nt - 1) / nt;
+      const int64_t g0 = std::min(lin.groups(), tid * per);
+      const int64_t g1 = std::min(lin.groups(), g0 + per);
+      quant::quant_row_groups(acts, lin.qs, lin.scales, lin.fmt, lin.k, lin.n, lin.bias,
+                              lin.route, g0, g1, y, dtype);
+    };
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const RowLayer& L = layers[i];
+      if (tid == 0) prefetch_slots(kv_caches[i], &slot, 1);
+      if (i == 0) {  // the first layer: the residual is its input
+        rms_norm_row(x_in, nullptr, L.in_norm, h.data(), nullptr, H, feps, dtype);
+        std::copy(x_in, x_in + H, res.begin());
+      } else {
+        rms_norm_row(out_p, res.data(), L.in_norm, h.data(), res.data(), H, feps, dtype);
+      }
+      linear(L.qkv, h.data(), qkv_p);
+      barrier.wait();  // qkv whole
+      rotate_queries(qkv_p, 1, heads, kv_heads, hd, c, s, q.data());
+      if (tid == 0) {
+        with_cache_type<T>(kv_caches[i], [&](auto* type) {
+          using C = std::remove_pointer_t<decltype(type)>;
+          C* cache = static_cast<C*>(L.cache);
+          write_keys_values(qkv_p, 1, heads, kv_heads, hd, c, s, &slot, cache, cache + plane);
+        });
+        attention.reset();
+      }
+      barrier.wait();  // this step's key and value in the cache
+      attention.work(q.data(), L.cache, attn_p);
+      barrier.wait();  // attention whole
+      linear(L.o, attn_p, o_p);
+      barrier.wait();  // o whole
+      rms_norm_row(o_p, res.data(), L.post_norm, h.data(), res.data(), H, feps, dtype);
+      linear(L.gate_up, h.data(), gate_up_p);
+      barrier.wait();  // gate/up whole
+      silu_and_mul_row(gate_up_p, act.data(), inter, dtype);
+      linear(L.down, act.data(), out_p);
+      barrier.wait();  // the layer's output whole
+    }
+    if (tid == 0) std::copy(res.begin(), res.end(), res_out.data_ptr<T>());
+  }
+  return {out, res_out};
 }
 
 // Every layer of a decode step in one call: layer i takes weights[i * kNumSlots, ...),
@@ -264,6 +517,17 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
               "decode_layers: weights must hold ", kNumSlots, " entries per layer");
   TORCH_CHECK(static_cast<int64_t>(meta.size()) == layers * kNumMeta,
               "decode_layers: meta must hold ", kNumMeta, " ints per layer");
+  std::vector<at::Tensor> qkv_bias;  // the one-row stack's, in float32
+  if (auto row = row_layers(hidden, w, meta, kv_caches, slot_mapping, cos, sin, qkv_bias)) {
+    std::tuple<at::Tensor, at::Tensor> result;
+    vec::with_element_type(hidden.scalar_type(), [&](auto tag) {
+      using T = decltype(tag);
+      result = decode_layers_one_row<T>(hidden, *row, meta, kv_caches, slot_mapping,
+                                        block_tables, seq_lens, cos, sin, eps, scale,
+                                        sliding_window);
+    });
+    return result;
+  }
   at::Tensor h = hidden;
   OptTensor res;
   for (int64_t i = 0; i < layers; ++i) {
@@ -275,6 +539,20 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     res = std::move(r);
   }
   return {h, res.has_value() ? *res : at::Tensor()};
+}
+
+// Whether decode_layers runs these operands as the one-row stack (else layer by layer).
+bool decode_layers_one_row_takes(const at::Tensor& hidden, const std::vector<OptTensor>& w,
+                                 const std::vector<int64_t>& meta,
+                                 const std::vector<at::Tensor>& kv_caches,
+                                 const at::Tensor& slot_mapping, const at::Tensor& cos,
+                                 const at::Tensor& sin) {
+  const auto layers = static_cast<int64_t>(kv_caches.size());
+  if (static_cast<int64_t>(w.size()) != layers * kNumSlots ||
+      static_cast<int64_t>(meta.size()) != layers * kNumMeta)
+    return false;
+  std::vector<at::Tensor> qkv_bias;
+  return row_layers(hidden, w, meta, kv_caches, slot_mapping, cos, sin, qkv_bias).has_value();
 }
 
 }  // namespace folio
@@ -296,11 +574,15 @@ TORCH_LIBRARY_FRAGMENT(folio, m) {
   m.def("decode_layers(Tensor hidden, Tensor?[] weights, int[] meta, Tensor(a!)[] kv_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor cos, Tensor sin, "
         "float eps, float scale, int? sliding_window=None) -> (Tensor, Tensor)");
+  // whether decode_layers runs these operands in one parallel region (one row)
+  m.def("decode_layers_one_row_takes(Tensor hidden, Tensor?[] weights, int[] meta, "
+        "Tensor[] kv_caches, Tensor slot_mapping, Tensor cos, Tensor sin) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(folio, CPU, m) {
   m.impl("decode_layer", &folio::decode_layer);
   m.impl("decode_layers", &folio::decode_layers);
+  m.impl("decode_layers_one_row_takes", &folio::decode_layers_one_row_takes);
 }
 
 // A weight prepacked for oneDNN (the mkldnn path) is an MkldnnCPU tensor, and the

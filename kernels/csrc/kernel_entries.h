@@ -7,6 +7,7 @@
 #include <c10/util/Optional.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <tuple>
 
@@ -31,10 +32,61 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& kv_
                                   double scale, std::optional<int64_t> sliding_window,
                                   bool batch_invariant);
 
+// paged_attention_decode.cpp: one decode call's attention shared out among a team of
+// threads that each call work() (decode_layer.cpp's one-row stack, which runs a step's
+// layers in one parallel region). The operands are checked and the work items planned
+// once, when it is built: every layer of a step has the same block tables and lengths,
+// which must outlive it. Between two layers' work(), after every thread has returned
+// from the first, one thread calls reset() before any calls the second. Same results
+// as paged_attention_decode (not batch-invariant) at `team_size` threads.
+class TeamAttention {
+ public:
+  TeamAttention(const at::Tensor& query, const at::Tensor& kv_cache,
+                const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                std::optional<int64_t> sliding_window, int64_t team_size);
+  ~TeamAttention();
+  void reset();
+  // query [rows, heads, hd] in the query's dtype, cache as kv_cache, out like query
+  void work(const void* query, const void* cache, void* out);
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
 // silu_and_mul.cpp: SiLU(gate) * up for gate_up = [gate | up], [rows, 2 * inter].
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
+// silu_and_mul.cpp: whether the native kernel takes `dtype` (else torch's ops run), and
+// the kernel on one row of a dtype it takes, in place of tensors.
+bool silu_and_mul_takes(at::ScalarType dtype);
+void silu_and_mul_row(const void* gate_up, void* out, int64_t inter, at::ScalarType dtype);
+
+// rms_norm.cpp: rms_norm for one row of `dtype` in place of tensors (`residual` and
+// `residual_out` null together: no residual).
+void rms_norm_row(const void* x, const void* residual, const void* weight, void* out,
+                  void* residual_out, int64_t hidden, float eps, at::ScalarType dtype);
 
 namespace quant {
+struct Activations;  // quant_pack.h
+
+// quant_linear.cpp, quant_linear at one row, a thread's share at a time:
+//  * row_route: the route quant_linear runs for `route` (its codes, 0: the best int8
+//    one) on activations of `dtype` in format `fmt`, or -1 where one row cannot take it
+//    (AMX: tiles of 16 rows; a route not built for this CPU);
+//  * prepare_row: x [k] as that route takes it, into `a` (each thread its own);
+//  * quant_row_groups: the weight's row groups [g0, g1) (16 rows each) from `a`: y[j]
+//    (+ bias[j], float32) in `dtype` for the rows j < n of those groups, the same values
+//    as quant_linear's.
+int64_t row_route(int64_t route, int64_t fmt, at::ScalarType dtype);
+void prepare_row(int64_t route, int64_t fmt, const void* x, int64_t k, at::ScalarType dtype,
+                 Activations& a);
+void quant_row_groups(const Activations& a, const uint8_t* qs, const uint8_t* scales,
+                      int64_t fmt, int64_t k, int64_t n, const float* bias, int64_t route,
+                      int64_t g0, int64_t g1, void* y, at::ScalarType dtype);
+// quant_linear.cpp: quant_linear's checks of a packed weight for rows of k inputs.
+void check_quant_weight(int64_t k, const at::Tensor& qs, const at::Tensor& scales,
+                        int64_t fmt, int64_t n);
+
 // quant_linear.cpp: x @ W.T (+ bias) for a packed block-quantized W through `route`.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
                         int64_t fmt, int64_t n, const c10::optional<at::Tensor>& bias,

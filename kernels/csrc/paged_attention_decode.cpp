@@ -625,44 +625,67 @@ void attend_one(const Shape& sh, const Item& it, const Item* following, bool req
   }
 }
 
+// One call's work items and the state its threads share: the shared counter they pull
+// items from and, per partitioned group, the partitions still running (the thread that
+// finishes the last merges). reset() readies it for another call on the same plan.
+struct Team {
+  Plan plan;
+  std::vector<float> partials;
+  std::unique_ptr<std::atomic<int64_t>[]> left;
+  std::atomic<int64_t> next{0};
+
+  Team(const Shape& sh, const int64_t* tables, const int64_t* seq_lens, int64_t window)
+      : plan(make_plan(sh, tables, seq_lens, window)),
+        partials(static_cast<size_t>(plan.num_partials * partial_floats(sh))),
+        left(new std::atomic<int64_t>[plan.groups.size()]) {
+    reset();
+  }
+  void reset() {
+    for (size_t g = 0; g < plan.groups.size(); ++g)
+      left[g].store(plan.parts[g], std::memory_order_relaxed);
+    next.store(0, std::memory_order_relaxed);
+  }
+};
+
+// One thread's share of a call: items off the shared counter until none is left.
+// Requests are ragged, so a static split would leave a thread idle. A thread claims its
+// next item when it starts one, so that the next item's first keys are on their way
+// while this one finishes (most requests span a few chunks, and a first chunk requested
+// only when its item starts had stalled on memory).
+template <typename T, typename C, int64_t HD>
+void team_work(const Shape& sh, Team& team, const T* query, const C* cache, float scale,
+               T* out) {
+  const auto num_items = static_cast<int64_t>(team.plan.items.size());
+  int64_t item = team.next.fetch_add(1);
+  if (item >= num_items) return;
+  Scratch ws(sh);
+  for (bool requested = false;;) {
+    const Item& it = team.plan.items[item];
+    const int64_t following = team.next.fetch_add(1);
+    const bool more = following < num_items;
+    float* partial =
+        it.partial < 0 ? nullptr : team.partials.data() + it.partial * partial_floats(sh);
+    attend_one<T, C, HD>(sh, it, more ? &team.plan.items[following] : nullptr, requested,
+                         query, cache, scale, out, partial, ws);
+    // acq_rel: the last one sees every other partition's partial result
+    if (it.group >= 0 && team.left[it.group].fetch_sub(1, std::memory_order_acq_rel) == 1)
+      merge_partials(sh, team.plan.groups[it.group],
+                     team.partials.data() + team.plan.first[it.group] * partial_floats(sh),
+                     team.plan.parts[it.group], out);
+    if (!more) break;
+    item = following;
+    requested = true;
+  }
+}
+
 template <typename T, typename C, int64_t HD>
 void run_decode(const Shape& sh, const T* query, const C* cache, const int64_t* tables,
                 const int64_t* seq_lens, float scale, int64_t window, T* out) {
-  const Plan plan = make_plan(sh, tables, seq_lens, window);
-  const auto num_items = static_cast<int64_t>(plan.items.size());
-  const auto num_groups = static_cast<int64_t>(plan.groups.size());
-  std::vector<float> partials(static_cast<size_t>(plan.num_partials * partial_floats(sh)));
-  // partitions of each group still running: the thread that finishes the last merges
-  std::unique_ptr<std::atomic<int64_t>[]> left(new std::atomic<int64_t>[num_groups]);
-  for (int64_t g = 0; g < num_groups; ++g) left[g].store(plan.parts[g], std::memory_order_relaxed);
-  // Requests are ragged, so a static split would leave a thread idle: each thread
-  // instead pulls the next work item off a shared counter.
-  // A thread claims its next item when it starts one, so that the next item's first
-  // keys are on their way while this one finishes (most requests span a few chunks, and
-  // a first chunk requested only when its item starts had stalled on memory).
-  std::atomic<int64_t> next{0};
-  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  Team team(sh, tables, seq_lens, window);
+  const int64_t num_workers =
+      std::min<int64_t>(at::get_num_threads(), static_cast<int64_t>(team.plan.items.size()));
   at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
-    Scratch ws(sh);
-    int64_t item = next.fetch_add(1);
-    if (item >= num_items) return;
-    for (bool requested = false;;) {
-      const Item& it = plan.items[item];
-      const int64_t following = next.fetch_add(1);
-      const bool more = following < num_items;
-      float* partial =
-          it.partial < 0 ? nullptr : partials.data() + it.partial * partial_floats(sh);
-      attend_one<T, C, HD>(sh, it, more ? &plan.items[following] : nullptr, requested,
-                           query, cache, scale, out, partial, ws);
-      // acq_rel: the last one sees every other partition's partial result
-      if (it.group >= 0 && left[it.group].fetch_sub(1, std::memory_order_acq_rel) == 1)
-        merge_partials(sh, plan.groups[it.group],
-                       partials.data() + plan.first[it.group] * partial_floats(sh),
-                       plan.parts[it.group], out);
-      if (!more) break;
-      item = following;
-      requested = true;
-    }
+    team_work<T, C, HD>(sh, team, query, cache, scale, out);
   });
 }
 
@@ -702,12 +725,16 @@ void choose_split(Shape& sh, int64_t num_threads, int64_t longest, bool batch_in
 
 }  // namespace
 
-at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& kv_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                  double scale, std::optional<int64_t> sliding_window,
-                                  bool batch_invariant) {
+namespace {
+
+// The call's Shape, its operands checked: what the kernel will dereference included (an
+// out-of-range block id would otherwise read outside the cache; cheap next to the
+// attention itself). `longest`: the most visible keys of any request.
+Shape checked_shape(const at::Tensor& query, const at::Tensor& kv_cache,
+                    const at::Tensor& tables, const at::Tensor& lens, int64_t window,
+                    int64_t& longest) {
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() &&
-                  block_tables.device().is_cpu() && seq_lens.device().is_cpu(),
+                  tables.device().is_cpu() && lens.device().is_cpu(),
               "paged_attention_decode: CPU tensors only");
   TORCH_CHECK(query.dim() == 3, "query must be [num_decodes, num_heads, head_dim]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2,
@@ -717,12 +744,14 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& kv_
   TORCH_CHECK(cache_type == query.scalar_type() || cache_type == at::kFloat8_e4m3fn ||
                   cache_type == at::kFloat8_e5m2,
               "kv_cache must have the query's dtype or be float8_e4m3fn / float8_e5m2");
-  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+  TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong,
               "block_tables and seq_lens must be int64");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == query.size(0),
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == query.size(0),
               "block_tables must be [num_decodes, max_blocks]");
-  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == query.size(0),
+  TORCH_CHECK(lens.dim() == 1 && lens.size(0) == query.size(0),
               "seq_lens must be [num_decodes]");
+  TORCH_CHECK(tables.is_contiguous() && lens.is_contiguous(),
+              "block_tables and seq_lens must be contiguous");
 
   Shape sh;
   sh.num_decodes = query.size(0);
@@ -731,26 +760,17 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& kv_
   sh.num_blocks = kv_cache.size(1);
   sh.block_size = kv_cache.size(2);
   sh.num_kv_heads = kv_cache.size(3);
-  sh.max_blocks = block_tables.size(1);
+  sh.max_blocks = tables.size(1);
   TORCH_CHECK(kv_cache.size(4) == sh.head_dim, "query and kv_cache head_dim differ");
   TORCH_CHECK(sh.num_kv_heads > 0 && sh.num_heads % sh.num_kv_heads == 0,
               "num_heads must be a multiple of num_kv_heads");
   sh.group = sh.num_heads / sh.num_kv_heads;
   sh.slot_stride = sh.num_kv_heads * sh.head_dim;
   sh.plane_stride = sh.num_blocks * sh.block_size * sh.slot_stride;
-  const int64_t window = sliding_window.has_value() ? *sliding_window : 0;
-  TORCH_CHECK(!sliding_window.has_value() || window > 0, "sliding_window must be positive");
 
-  const at::Tensor q = query.contiguous();
-  const at::Tensor tables = block_tables.contiguous();
-  const at::Tensor lens = seq_lens.contiguous();
-  at::Tensor out = q.new_empty(q.sizes());  // (new_empty: no extra ATen op header)
-
-  // Validate what the kernel will dereference (cheap next to the attention itself):
-  // an out-of-range block id would otherwise read outside the cache.
-  const int64_t* tab = tables.data_ptr<int64_t>();
-  const int64_t* len = lens.data_ptr<int64_t>();
-  int64_t longest = 0;  // visible keys
+  const int64_t* tab = tables.const_data_ptr<int64_t>();
+  const int64_t* len = lens.const_data_ptr<int64_t>();
+  longest = 0;
   for (int64_t d = 0; d < sh.num_decodes; ++d) {
     TORCH_CHECK(len[d] >= 0 && len[d] <= sh.max_blocks * sh.block_size,
                 "seq_lens[", d, "] = ", len[d], " does not fit its block table");
@@ -764,9 +784,34 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& kv_
                   " is outside the cache (", sh.num_blocks, " blocks)");
     }
   }
+  return sh;
+}
+
+int64_t window_of(std::optional<int64_t> sliding_window) {
+  TORCH_CHECK(!sliding_window.has_value() || *sliding_window > 0,
+              "sliding_window must be positive");
+  return sliding_window.has_value() ? *sliding_window : 0;
+}
+
+}  // namespace
+
+at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& kv_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                  double scale, std::optional<int64_t> sliding_window,
+                                  bool batch_invariant) {
+  const int64_t window = window_of(sliding_window);
+  const at::Tensor q = query.contiguous();
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor lens = seq_lens.contiguous();
+  int64_t longest = 0;
+  Shape sh = checked_shape(q, kv_cache, tables, lens, window, longest);
+  at::Tensor out = q.new_empty(q.sizes());  // (new_empty: no extra ATen op header)
   if (sh.num_decodes == 0 || sh.num_heads == 0 || sh.head_dim == 0) return out;
 
   choose_split(sh, at::get_num_threads(), longest, batch_invariant);
+  const auto cache_type = kv_cache.scalar_type();
+  const int64_t* tab = tables.const_data_ptr<int64_t>();
+  const int64_t* len = lens.const_data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_decode", [&] {
@@ -788,6 +833,72 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& kv_
         }
       });
   return out;
+}
+
+struct TeamAttention::State {
+  Shape sh;
+  at::ScalarType dtype, cache_type;
+  float scale;
+  std::unique_ptr<Team> team;  // null when there is nothing to attend to
+};
+
+TeamAttention::TeamAttention(const at::Tensor& query, const at::Tensor& kv_cache,
+                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                             double scale, std::optional<int64_t> sliding_window,
+                             int64_t team_size)
+    : s_(std::make_unique<State>()) {
+  const int64_t window = window_of(sliding_window);
+  TORCH_CHECK(query.scalar_type() != at::kDouble,
+              "paged_attention_decode: float64 is not supported");
+  int64_t longest = 0;
+  s_->sh = checked_shape(query, kv_cache, block_tables, seq_lens, window, longest);
+  s_->dtype = query.scalar_type();
+  s_->cache_type = kv_cache.scalar_type();
+  s_->scale = static_cast<float>(scale);
+  if (s_->sh.num_decodes == 0 || s_->sh.num_heads == 0 || s_->sh.head_dim == 0) return;
+  choose_split(s_->sh, team_size, longest, /*batch_invariant=*/false);
+  s_->team = std::make_unique<Team>(s_->sh, block_tables.const_data_ptr<int64_t>(),
+                                    seq_lens.const_data_ptr<int64_t>(), window);
+}
+
+TeamAttention::~TeamAttention() = default;
+
+void TeamAttention::reset() {
+  if (s_->team) s_->team->reset();
+}
+
+namespace {
+template <typename T, typename C>
+void team_for_head_dim(const Shape& sh, Team& team, const void* query, const void* cache,
+                       float scale, void* out) {
+  const T* q = static_cast<const T*>(query);
+  const C* c = static_cast<const C*>(cache);
+  T* o = static_cast<T*>(out);
+  if (sh.head_dim == 64) team_work<T, C, 64>(sh, team, q, c, scale, o);
+  else if (sh.head_dim == 128) team_work<T, C, 128>(sh, team, q, c, scale, o);
+  else team_work<T, C, 0>(sh, team, q, c, scale, o);
+}
+
+template <typename T>
+void team_for_cache(const Shape& sh, Team& team, at::ScalarType cache_type, const void* query,
+                    const void* cache, float scale, void* out) {
+  if (cache_type == at::kFloat8_e4m3fn)
+    team_for_head_dim<T, c10::Float8_e4m3fn>(sh, team, query, cache, scale, out);
+  else if (cache_type == at::kFloat8_e5m2)
+    team_for_head_dim<T, c10::Float8_e5m2>(sh, team, query, cache, scale, out);
+  else
+    team_for_head_dim<T, T>(sh, team, query, cache, scale, out);
+}
+}  // namespace
+
+void TeamAttention::work(const void* query, const void* cache, void* out) {
+  if (!s_->team) return;
+  if (s_->dtype == at::kBFloat16)
+    team_for_cache<c10::BFloat16>(s_->sh, *s_->team, s_->cache_type, query, cache, s_->scale, out);
+  else if (s_->dtype == at::kHalf)
+    team_for_cache<c10::Half>(s_->sh, *s_->team, s_->cache_type, query, cache, s_->scale, out);
+  else
+    team_for_cache<float>(s_->sh, *s_->team, s_->cache_type, query, cache, s_->scale, out);
 }
 
 }  // namespace folio

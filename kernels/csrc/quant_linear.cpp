@@ -214,11 +214,11 @@ void run_format(int64_t fmt, int64_t route, const Operands& o, int64_t M, int64_
   return run<kQ8_0>(route, o, M, N, bias, y);
 }
 
-void check_operands(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
-                    int64_t fmt, int64_t n, int64_t route) {
+// The packed weight against K inputs (x's row length) and `route`.
+void check_weight(int64_t K, const at::Tensor& qs, const at::Tensor& scales, int64_t fmt,
+                  int64_t n, int64_t route) {
   TORCH_CHECK(fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ8_0 || fmt == kQ4_K || fmt == kQ6_K,
               "quant_linear: format must be Q4_0 (2), Q4_1 (3), Q8_0 (8), Q4_K (12) or Q6_K (14)");
-  TORCH_CHECK(x.dim() == 2 && x.is_floating_point(), "quant_linear: x must be [M, K] float");
   TORCH_CHECK(qs.dim() == 3 && qs.scalar_type() == at::kByte && qs.is_contiguous() &&
                   qs.size(2) == qs_bytes(fmt),
               "quant_linear: qs must be contiguous uint8 [groups, blocks, chunk bytes]");
@@ -234,12 +234,74 @@ void check_operands(const at::Tensor& x, const at::Tensor& qs, const at::Tensor&
                     scales.size(0) == qs.size(0) && scales.size(1) == qs.size(1),
                 "quant_linear: scales must be contiguous fp16 [groups, blocks, 16 or 32]");
   }
-  TORCH_CHECK(x.size(1) == qs.size(1) * kBlock, "quant_linear: x is [M, K], K = 32 * blocks");
+  TORCH_CHECK(K == qs.size(1) * kBlock, "quant_linear: x is [M, K], K = 32 * blocks");
   TORCH_CHECK(n > (qs.size(0) - 1) * kGroupRows && n <= qs.size(0) * kGroupRows,
               "quant_linear: n does not match the number of row groups");
   const auto routes = built_routes();
   TORCH_CHECK(route == kBestInt8 || std::find(routes.begin(), routes.end(), route) != routes.end(),
               "quant_linear: route ", route, " is not built for this CPU");
+}
+
+void check_operands(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scales,
+                    int64_t fmt, int64_t n, int64_t route) {
+  TORCH_CHECK(x.dim() == 2 && x.is_floating_point(), "quant_linear: x must be [M, K] float");
+  check_weight(x.size(1), qs, scales, fmt, n, route);
+}
+
+// The route that `route` runs for x of `dtype` in format `fmt`: the best int8 route for
+// 0; the bf16 routes take bf16 activations (vdpbf16ps: not Q8_0) and the int16 route not
+// Q6_K, each computing the same product as the widening route, which runs instead.
+int64_t resolve_route(int64_t route, int64_t fmt, at::ScalarType dtype) {
+  if (route == kBestInt8) route = built_routes().front();
+  if ((route == kBf16Dot || route == kAmx) && dtype != at::kBFloat16) route = kWiden;
+  if (route == kBf16Dot && fmt == kQ8_0) route = kWiden;
+  if (route == kInt16 && fmt == kQ6_K) route = kWiden;
+  return route;
+}
+
+// x [M, K] (rows ldx apart) as `route` takes it, into `a`; the Operands over it.
+template <typename T>
+Operands prepare(int64_t route, int64_t fmt, const T* x, int64_t ldx, int64_t M, int64_t K,
+                 const uint8_t* qs, const uint8_t* scales, Activations& a) {
+  Operands o{qs, scales, K / kBlock, &a.xr, nullptr, nullptr, nullptr, &a.x16};
+  if (route == kBf16Dot || route == kAmx) {
+    if constexpr (std::is_same_v<T, at::BFloat16>) {  // (resolve_route: bf16 only)
+      // per chunk of 8 k the pairs (0, 2), (1, 3), (4, 6), (5, 7), low half first
+      // (quant_tiles.h, tile_bf16dot); the block sums in float32, as the widening
+      // route's. AMX tiles take 16 rows at a time: the rows past M are zero.
+      const int64_t padded = route == kAmx ? (M + 15) / 16 * 16 : M;
+      a.xp.resize(static_cast<size_t>(padded * K / 2));
+      std::fill(a.xp.begin() + M * K / 2, a.xp.end(), 0u);
+      constexpr int kLow[4] = {0, 1, 4, 5};
+      for (int64_t m = 0; m < M; ++m) {
+        const T* row = x + m * ldx;
+        for (int64_t c = 0; c < K / 8; ++c)
+          for (int p = 0; p < 4; ++p)
+            a.xp[m * K / 2 + 4 * c + p] =
+                row[8 * c + kLow[p]].x | (static_cast<uint32_t>(row[8 * c + kLow[p] + 2].x) << 16);
+      }
+      o.xp = a.xp.data();
+      o.xsum = block_sums(x, ldx, M, K, fmt, a.xsum);
+    }
+  } else if (route == kWiden) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (ldx == K) o.xf = x;  // already what the route reads
+    }
+    if (o.xf == nullptr) {
+      a.xf.resize(static_cast<size_t>(M * K));
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) a.xf[m * K + k] = static_cast<float>(x[m * ldx + k]);
+      o.xf = a.xf.data();
+    }
+    o.xsum = block_sums(o.xf, K, M, K, fmt, a.xsum);
+#ifdef FOLIO_QUANT_AVX2
+  } else if (route == kInt16) {
+    quantize_rows16(x, ldx, M, K, fmt == kQ8_0, a.x16);
+#endif
+  } else {  // the int8 routes
+    quantize_rows(x, ldx, M, K, a.xr);
+  }
+  return o;
 }
 
 }  // namespace
@@ -249,66 +311,29 @@ at::Tensor quant_linear(const at::Tensor& x_in, const at::Tensor& qs, const at::
                         int64_t fmt, int64_t n, const c10::optional<at::Tensor>& bias,
                         int64_t route) {
   check_operands(x_in, qs, scales, fmt, n, route);
-  if (route == kBestInt8) route = built_routes().front();
-  // the bf16 routes take bf16 activations (vdpbf16ps: not Q8_0); the same product otherwise
-  if ((route == kBf16Dot || route == kAmx) && x_in.scalar_type() != at::kBFloat16)
-    route = kWiden;
-  if (route == kBf16Dot && fmt == kQ8_0) route = kWiden;
-  if (route == kInt16 && fmt == kQ6_K) route = kWiden;
+  route = resolve_route(route, fmt, x_in.scalar_type());
   const at::Tensor x = x_in.stride(1) == 1 ? x_in : x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, n}, x.options());
   if (M == 0) return out;
-  at::Tensor bias_f, xf;
+  at::Tensor bias_f;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "quant_linear: bias must be [n]");
     bias_f = bias->to(at::kFloat).contiguous();
   }
-  thread_local QuantizedRows xr;  // the caller's thread prepares x
-  thread_local std::vector<float> xsum;
-  thread_local std::vector<uint32_t> xp;
-  thread_local Int16Rows x16;
-  Operands o{qs.const_data_ptr<uint8_t>(), static_cast<const uint8_t*>(scales.const_data_ptr()),
-             qs.size(1), &xr, nullptr, nullptr, nullptr, &x16};
-  if (route == kBf16Dot || route == kAmx) {
-    // per chunk of 8 k the pairs (0, 2), (1, 3), (4, 6), (5, 7), low half first
-    // (quant_tiles.h, tile_bf16dot); the block sums in float32, as the widening route's.
-    // AMX tiles take 16 rows at a time: the rows past M are zero.
-    const at::BFloat16* xb = x.const_data_ptr<at::BFloat16>();
-    const int64_t padded = route == kAmx ? (M + 15) / 16 * 16 : M;
-    xp.resize(static_cast<size_t>(padded * K / 2));
-    std::fill(xp.begin() + M * K / 2, xp.end(), 0u);
-    constexpr int kLow[4] = {0, 1, 4, 5};
-    for (int64_t m = 0; m < M; ++m) {
-      const at::BFloat16* row = xb + m * x.stride(0);
-      for (int64_t c = 0; c < K / 8; ++c)
-        for (int p = 0; p < 4; ++p)
-          xp[m * K / 2 + 4 * c + p] = row[8 * c + kLow[p]].x |
-                                      (static_cast<uint32_t>(row[8 * c + kLow[p] + 2].x) << 16);
-    }
-    o.xp = xp.data();
-    o.xsum = block_sums(xb, x.stride(0), M, K, fmt, xsum);
-  }
-  if (route == kWiden) {
-    xf = x.to(at::kFloat).contiguous();
-    o.xf = xf.const_data_ptr<float>();
-    o.xsum = block_sums(o.xf, K, M, K, fmt, xsum);
-  }
+  thread_local Activations acts;  // the caller's thread prepares x
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear", [&] {
-#ifdef FOLIO_QUANT_AVX2
-    if (route == kInt16)
-      quantize_rows16(x.const_data_ptr<scalar_t>(), x.stride(0), M, K, fmt == kQ8_0, x16);
-    else
-#endif
-    if (route != kWiden && route != kBf16Dot && route != kAmx)  // the int8 routes
-      quantize_rows(x.const_data_ptr<scalar_t>(), x.stride(0), M, K, xr);
+    const Operands o = prepare(route, fmt, x.const_data_ptr<scalar_t>(), x.stride(0), M, K,
+                               qs.const_data_ptr<uint8_t>(),
+                               static_cast<const uint8_t*>(scales.const_data_ptr()), acts);
     run_format(fmt, route, o, M, n, bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr,
                out.data_ptr<scalar_t>());
   });
-  release_if_large(xp);
-  release_if_large(xsum);
-  release_if_large(xr.q);
-  release_if_large(x16.w);
+  release_if_large(acts.xp);
+  release_if_large(acts.xf);
+  release_if_large(acts.xsum);
+  release_if_large(acts.xr.q);
+  release_if_large(acts.x16.w);
   return out;
 }
 
@@ -334,7 +359,7 @@ void dequantize_row(const uint8_t* qs, const uint8_t* sc, int64_t B, int64_t row
 at::Tensor quant_dequantize(const at::Tensor& qs, const at::Tensor& scales, int64_t fmt,
                             int64_t n, const c10::optional<at::Tensor>& rows_in,
                             at::ScalarType dtype) {
-  check_operands(at::empty({0, qs.size(1) * kBlock}), qs, scales, fmt, n, kBestInt8);
+  check_weight(qs.size(1) * kBlock, qs, scales, fmt, n, kBestInt8);
   const int64_t B = qs.size(1);
   const at::Tensor rows = rows_in.has_value() && rows_in->defined()
                               ? rows_in->to(at::kLong).contiguous().view(-1)
@@ -362,6 +387,62 @@ at::Tensor quant_dequantize(const at::Tensor& qs, const at::Tensor& scales, int6
 }
 
 std::vector<int64_t> quant_routes() { return built_routes(); }
+
+void check_quant_weight(int64_t k, const at::Tensor& qs, const at::Tensor& scales,
+                        int64_t fmt, int64_t n) {
+  check_weight(k, qs, scales, fmt, n, kBestInt8);
+}
+
+int64_t row_route(int64_t route, int64_t fmt, at::ScalarType dtype) {
+  const auto routes = built_routes();
+  if (route != kBestInt8 && std::find(routes.begin(), routes.end(), route) == routes.end())
+    return -1;
+  route = resolve_route(route, fmt, dtype);
+  return route == kAmx ? -1 : route;  // (AMX: whole tiles of 16 rows)
+}
+
+void prepare_row(int64_t route, int64_t fmt, const void* x, int64_t k, at::ScalarType dtype,
+                 Activations& a) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "prepare_row", [&] {
+    const scalar_t* row = static_cast<const scalar_t*>(x);
+    const Operands o = prepare(route, fmt, row, k, 1, k, nullptr, nullptr, a);
+    if (route == kWiden && o.xf == static_cast<const void*>(row))  // keep a copy: x changes
+      a.xf.assign(o.xf, o.xf + k);
+  });
+}
+
+namespace {
+template <int64_t Fmt, typename O>
+void row_groups(const Operands& o, int64_t n, const float* bias, int64_t route, int64_t g0,
+                int64_t g1, O* y) {
+  alignas(64) float acc[kMR * kGroupRows];
+  for (int64_t g = g0; g < g1; ++g) {
+    tile_rows<Fmt>(1, route, o, g, 0, acc, false);
+    // the roundings of run_groups at one row: the tile into a float buffer (+ 0.f),
+    // then (+ bias, or + 0.f) into y
+    const int64_t cols = std::min<int64_t>(kGroupRows, n - g * kGroupRows);
+    for (int64_t j = 0; j < cols; ++j) {
+      const float v = acc[j] + 0.f;
+      y[g * kGroupRows + j] = static_cast<O>(v + (bias ? bias[g * kGroupRows + j] : 0.f));
+    }
+  }
+}
+}  // namespace
+
+void quant_row_groups(const Activations& a, const uint8_t* qs, const uint8_t* scales,
+                      int64_t fmt, int64_t k, int64_t n, const float* bias, int64_t route,
+                      int64_t g0, int64_t g1, void* y, at::ScalarType dtype) {
+  const Operands o{qs,          scales,          k / kBlock,    &a.xr,
+                   a.xf.data(), a.xsum.data(),   a.xp.data(),   &a.x16};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "quant_row_groups", [&] {
+    scalar_t* out = static_cast<scalar_t*>(y);
+    if (fmt == kQ4_0) row_groups<kQ4_0>(o, n, bias, route, g0, g1, out);
+    else if (fmt == kQ4_1) row_groups<kQ4_1>(o, n, bias, route, g0, g1, out);
+    else if (fmt == kQ4_K) row_groups<kQ4_K>(o, n, bias, route, g0, g1, out);
+    else if (fmt == kQ6_K) row_groups<kQ6_K>(o, n, bias, route, g0, g1, out);
+    else row_groups<kQ8_0>(o, n, bias, route, g0, g1, out);
+  });
+}
 
 }  // namespace folio::quant
 

@@ -190,6 +190,15 @@ struct Int16Rows {  // filled by quantize_rows16 (AVX2, as the route)
   std::vector<float> msum;    // [rows][blocks] xd * xs
 };
 
+// A call's activations as its route takes them (quant_linear.cpp prepares them).
+struct Activations {
+  QuantizedRows xr;          // int8 routes
+  Int16Rows x16;             // int16 route
+  std::vector<uint32_t> xp;  // bf16 routes: bf16 pairs in tile order [rows][K / 2]
+  std::vector<float> xf;     // widening route: x in float32 [rows][K]
+  std::vector<float> xsum;   // widening and bf16 routes: x summed per block
+};
+
 #if defined(__AVX512F__)
 // 16 activations at p as floats (bf16 and fp16 widen exactly; double rounds as a cast).
 template <typename T>

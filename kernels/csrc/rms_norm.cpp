@@ -121,6 +121,16 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x_in, const at::Te
   return {out, res_out};
 }
 
+void rms_norm_row(const void* x, const void* residual, const void* weight, void* out,
+                  void* residual_out, int64_t hidden, float eps, at::ScalarType dtype) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "rms_norm_row", [&] {
+    norm_rows<scalar_t>(static_cast<const scalar_t*>(x), hidden,
+                        static_cast<const scalar_t*>(residual), hidden,
+                        static_cast<const scalar_t*>(weight), static_cast<scalar_t*>(out),
+                        static_cast<scalar_t*>(residual_out), 1, hidden, eps);
+  });
+}
+
 }  // namespace folio
 
 TORCH_LIBRARY_FRAGMENT(folio, m) {

@@ -100,7 +100,7 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   TORCH_CHECK(gate_up.stride(1) == 1, "silu_and_mul: gate_up's rows must be contiguous");
   const int64_t rows = gate_up.size(0), inter = gate_up.size(1) / 2;
   const auto dtype = gate_up.scalar_type();
-  if (!kHasSleef || !(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat)) {
+  if (!silu_and_mul_takes(dtype)) {
     at::Tensor act = at::silu(gate_up.narrow(1, 0, inter));
     return act.mul_(gate_up.narrow(1, inter, inter));
   }
@@ -111,6 +111,17 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
                      inter);
   });
   return out;
+}
+
+bool silu_and_mul_takes(at::ScalarType dtype) {
+  return kHasSleef && (dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat);
+}
+
+void silu_and_mul_row(const void* gate_up, void* out, int64_t inter, at::ScalarType dtype) {
+  vec::with_element_type(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    silu_mul_rows<T>(static_cast<const T*>(gate_up), 2 * inter, static_cast<T*>(out), 1, inter);
+  });
 }
 
 }  // namespace folio

@@ -45,6 +45,8 @@ def models(tmp_path_factory):
         "f16": TinyModelSpec(proj_type=Q.F16, weight_scale=0.1, num_layers=3),
         "qwen2": TinyModelSpec(arch="qwen2", proj_type=Q.F16, weight_scale=0.1,
                                num_layers=2),
+        "q4_1_qwen2": TinyModelSpec(arch="qwen2", proj_type=Q.Q4_1, embed_type=Q.Q8_0,
+                                    weight_scale=0.1, intermediate_size=128, num_layers=2),
     }
     for arch in ("llama", "qwen2"):  # Q4_K_M's mix: a Q6_K v beside Q4_K q and k
         specs[f"q4_k_m_{arch}"] = TinyModelSpec(
@@ -64,9 +66,9 @@ def runner_for(path, dtype, backend="auto", quantization="auto") -> ModelRunner:
                        WorkerConfig(device="cpu", linear_backend=backend))
 
 
-def states() -> list[CachedRequestState]:
+def states(prompts=PROMPTS) -> list[CachedRequestState]:
     out, next_block = [], 1
-    for i, prompt in enumerate(PROMPTS):
+    for i, prompt in enumerate(prompts):
         blocks = list(range(next_block, next_block + len(prompt) // BLOCK + 1))
         next_block += len(blocks)
         out.append(CachedRequestState(f"r{i}", list(prompt), len(prompt),
@@ -75,24 +77,30 @@ def states() -> list[CachedRequestState]:
 
 
 @torch.inference_mode()
-def decode_both_ways(runner: ModelRunner, sliding_window=None, kv_dtype=None):
+def decode_both_ways(runner: ModelRunner, sliding_window=None, kv_dtype=None,
+                     prompts=PROMPTS, one_row_stack=None):
     """(torch, fused) results of one decode step after a torch prefill: each the final
     hidden states and the KV caches after the step (``kv_dtype``: the cache's, default
-    the activations')."""
+    the activations'). ``one_row_stack``: whether the op must (True) or must not (False)
+    run the step as its one-row stack (decode_layer.cpp), None: either."""
     model = runner.model
     fused = model.fused_decode
     assert fused is not None
     caches = allocate_kv_cache(KVCacheSpec.for_model(runner.arch, BLOCK, kv_dtype or runner.dtype),
                                16, runner.device)
-    reqs = states()
-    prefill = build_input_batch(reqs, [len(p) for p in PROMPTS], BLOCK, sliding_window,
+    reqs = states(prompts)
+    prefill = build_input_batch(reqs, [len(p) for p in prompts], BLOCK, sliding_window,
                                 runner.attention_backend)
     model(prefill.input_ids, prefill.positions, caches, prefill.attn)
-    for r, token in zip(reqs, (44, 45, 46)):
+    for i, r in enumerate(reqs):
         r.num_computed_tokens = len(r.token_ids)
-        r.token_ids.append(token)
-    decode = build_input_batch(reqs, [1, 1, 1], BLOCK, sliding_window, runner.attention_backend)
-    assert fused.takes(3, runner.dtype, caches, decode.attn)
+        r.token_ids.append(44 + i)
+    decode = build_input_batch(reqs, [1] * len(reqs), BLOCK, sliding_window,
+                               runner.attention_backend)
+    assert fused.takes(len(reqs), runner.dtype, caches, decode.attn)
+    if one_row_stack is not None:
+        assert fused.one_row_stack_takes(decode.input_ids.shape[0], runner.dtype, caches) \
+            == one_row_stack
     results = []
     for use_fused in (False, True):
         step_caches = [c.clone() for c in caches]
@@ -121,6 +129,53 @@ def test_quantized_weights_every_path(models, fmt, backend, dtype):
     runner = runner_for(models[fmt], dtype, backend)
     assert runner.quantization == "gguf"
     assert_same(decode_both_ways(runner))
+
+
+LONG_PROMPT = [(7 * i + 3) % 60 + 1 for i in range(200)]  # 13 blocks: partitioned keys
+
+
+INT16_BUILT = cpu_extension.is_available() and 7 in cpu_extension.require().quant_routes()
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_1_qwen2"])
+@pytest.mark.parametrize("backend", ["int8", "int16", "widen", "bf16dot"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("prompt", [PROMPTS[0], LONG_PROMPT], ids=["19", "200"])
+def test_one_row_runs_every_layer_in_one_region(models, fmt, backend, dtype, prompt):
+    """At one row, on an integer route, the op runs its one-row stack (one parallel
+    region for all layers): the same bits as the torch layers, the qkv bias (qwen2) and
+    rows whose keys are cut into partitions (200) included."""
+    if backend == "int16" and not INT16_BUILT:
+        pytest.skip("the int16 route is built on AVX2 CPUs only")
+    # (bf16dot on float32 activations or Q8_0 weights runs the widening route: also taken)
+    runner = runner_for(models[fmt], dtype, backend)
+    assert_same(decode_both_ways(runner, prompts=[prompt], one_row_stack=True))
+
+
+@pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["same", "e4m3fn"])
+def test_one_row_with_a_window_or_an_fp8_cache(models, kv_dtype):
+    runner = runner_for(models["q4_1"], "bfloat16", "int8")
+    assert_same(decode_both_ways(runner, kv_dtype=kv_dtype, prompts=[LONG_PROMPT],
+                                 one_row_stack=True))
+    assert_same(decode_both_ways(runner, sliding_window=70, kv_dtype=kv_dtype,
+                                 prompts=[LONG_PROMPT], one_row_stack=True))
+
+
+def test_the_one_row_stack_takes_only_what_it_runs(models):
+    """Two rows, one thread, dequantised weights (the native path) or a q/k/v projection
+    in two formats go layer by layer, with the same bits."""
+    runner = runner_for(models["q4_1"], "bfloat16", "int8")
+    assert_same(decode_both_ways(runner, prompts=PROMPTS[:2], one_row_stack=False))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert_same(decode_both_ways(runner, prompts=[PROMPTS[0]], one_row_stack=False))
+    finally:
+        torch.set_num_threads(before)
+    assert_same(decode_both_ways(runner_for(models["q4_1"], "bfloat16", "native"),
+                                 prompts=[PROMPTS[0]], one_row_stack=False))
+    assert_same(decode_both_ways(runner_for(models["q4_k_m_llama"], "bfloat16", "int8"),
+                                 prompts=[PROMPTS[0]], one_row_stack=False))
 
 
 def skip_unless_runs(backend):

@@ -149,6 +149,18 @@ class FusedDecode:
             self._prepacked[key] = packed
         return metas
 
+    def one_row_stack_takes(self, rows: int, dtype: torch.dtype,
+                            kv_caches: list[torch.Tensor]) -> bool:
+        """Whether a step of ``rows`` decode rows runs all layers in one parallel region
+        (``decode_layer.cpp``'s one-row stack: one row, two threads or more, every linear
+        layer quantized on the int8 route) rather than layer by layer."""
+        hidden_size = self.model.layers[0].input_layernorm.weight.shape[0]
+        half = self.head_shape[2] // 2
+        return self.ops.decode_layers_one_row_takes(
+            torch.zeros(rows, hidden_size, dtype=dtype), self.weights, self._meta(rows, dtype),
+            kv_caches, torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, half, dtype=dtype),
+            torch.zeros(rows, half, dtype=dtype))
+
     def run(self, angles: RotaryAngles, hidden: torch.Tensor, kv_caches: list[torch.Tensor],
             ctx: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Every decoder layer on ``hidden`` [rows, hidden]; (hidden, residual) before
