@@ -43,6 +43,7 @@
 #include <thread>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -335,10 +336,10 @@ class SpinBarrier {
 
 // A quantized linear layer of the one-row stack.
 struct RowLinear {
-  const uint8_t* qs;
-  const uint8_t* scales;
-  int64_t fmt, n, k, route;  // route: as quant::row_route resolves it
-  const float* bias;         // qkv's, in float32 (quant_linear converts it so), or null
+  const uint8_t* qs = nullptr;
+  const uint8_t* scales = nullptr;
+  int64_t fmt = 0, n = 0, k = 0, route = 0;  // route: as quant::row_route resolves it
+  const float* bias = nullptr;  // qkv's, in float32 (quant_linear converts it so), or null
   int64_t groups() const { return (n + quant::kGroupRows - 1) / quant::kGroupRows; }
 };
 
@@ -347,14 +348,17 @@ struct RowLayer {
   const void* in_norm;
   const void* post_norm;
   RowLinear qkv, o, gate_up, down;
-  void* cache;  // keys; values plane elements later
+  RowLinear tail;          // q/k/v rows after qkv's in another format (n = 0: none)
+  const void* tail_bias;   // with a tail, the qkv bias in the activations' dtype, added
+                           // after both parts as decode_layer adds it; else null
+  void* cache;             // keys; values plane elements later
 };
 
 // The operands of `layers` layers if the one-row stack takes them, else nothing: one
 // row, at least two threads and not already in a parallel region, activations in a
 // type every kernel here takes, and every linear layer quantized, on a route that takes
-// one row by itself (not AMX's tiles, not dequantised), in one format (no q/k/v tail).
-// `qkv_bias` receives the layers' qkv biases in float32.
+// one row by itself (not AMX's tiles, not dequantised); q/k/v may be in two formats.
+// `qkv_bias` holds the layers' qkv biases as the stack adds them.
 std::optional<std::vector<RowLayer>> row_layers(
     const at::Tensor& hidden, const std::vector<OptTensor>& w, const std::vector<int64_t>& meta,
     const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
@@ -372,13 +376,16 @@ std::optional<std::vector<RowLayer>> row_layers(
     const int64_t* lm = mi + kLinearMeta;
     check(hidden, wi, mi, kv_caches[i], slot_mapping, cos, sin);  // decode_layer's checks
     // one head shape, MLP width and cache layout for all (the stack plans attention once)
-    if (has(wi[kQkvTail]) || kv_caches[i].sizes() != kv_caches[0].sizes() ||
+    if (kv_caches[i].sizes() != kv_caches[0].sizes() ||
         kv_caches[i].scalar_type() != kv_caches[0].scalar_type() ||
         !std::equal(mi, mi + kLinearMeta, meta.data()) || lm[8] != meta[kLinearMeta + 8])
       return std::nullopt;
-    for (int l = 0; l < 4; ++l)  // slots: qkv 2-3, o 5-6, gate_up 7-8, down 9-10
-      if (lm[3 * l] == kNative || lm[3 * l] == kMkldnn || !has(wi[kQkv + 2 * l + (l > 0)]) ||
-          !has(wi[kQkvScales + 2 * l + (l > 0)]) ||
+    const bool tail = has(wi[kQkvTail]);
+    // slots: qkv 2-3, o 5-6, gate_up 7-8, down 9-10, the tail 11-12 (its meta at lm + 12)
+    constexpr int kSlot[5] = {kQkv, kO, kGateUp, kDown, kQkvTail};
+    for (int l = 0; l < (tail ? 5 : 4); ++l)
+      if (lm[3 * l] == kNative || lm[3 * l] == kMkldnn || !has(wi[kSlot[l]]) ||
+          !has(wi[kSlot[l] + 1]) ||
           quant::row_route(quant_route(lm[3 * l]), lm[3 * l + 1], dtype) < 0)
         return std::nullopt;
     const int64_t heads = mi[kHeads], kv_heads = mi[kKvHeads], hd = mi[kHeadDim];
@@ -396,22 +403,33 @@ std::optional<std::vector<RowLayer>> row_layers(
                        quant::row_route(quant_route(m[0]), m[1], dtype), bias};
     };
     const float* bias = nullptr;
+    const void* tail_bias = nullptr;
     if (has(wi[kQkvBias])) {
       TORCH_CHECK(wi[kQkvBias]->numel() == (heads + 2 * kv_heads) * hd,
                   "decode_layer: qkv bias does not match the head shape");
-      qkv_bias.push_back(wi[kQkvBias]->to(at::kFloat).contiguous());
-      bias = qkv_bias.back().const_data_ptr<float>();
+      if (tail) {
+        qkv_bias.push_back(wi[kQkvBias]->to(dtype).contiguous());
+        tail_bias = qkv_bias.back().const_data_ptr();
+      } else {
+        qkv_bias.push_back(wi[kQkvBias]->to(at::kFloat).contiguous());
+        bias = qkv_bias.back().const_data_ptr<float>();
+      }
     }
+    const int64_t qkv_n = (heads + 2 * kv_heads) * hd, head_n = tail ? lm[2] : qkv_n;
     for (int slot : {kInNorm, kPostNorm})
       TORCH_CHECK(wi[slot]->scalar_type() == dtype && wi[slot]->is_contiguous() &&
                       wi[slot]->numel() == hidden_size,
                   "decode_layer: the norm weights must be contiguous [hidden] in hidden's dtype");
+    TORCH_CHECK(head_n > 0 && head_n < qkv_n + (tail ? 0 : 1),
+                "decode_layer: qkv width does not match the head shape");
     out.push_back(RowLayer{wi[kInNorm]->const_data_ptr(), wi[kPostNorm]->const_data_ptr(),
-                           linear(kQkv, lm, hidden_size, (heads + 2 * kv_heads) * hd, bias),
+                           linear(kQkv, lm, hidden_size, head_n, bias),
                            linear(kO, lm + 3, heads * hd, hidden_size, nullptr),
                            linear(kGateUp, lm + 6, hidden_size, 2 * inter, nullptr),
                            linear(kDown, lm + 9, inter, hidden_size, nullptr),
-                           kv_caches[i].data_ptr()});
+                           tail ? linear(kQkvTail, lm + 12, hidden_size, qkv_n - head_n, nullptr)
+                                : RowLinear{},
+                           tail_bias, kv_caches[i].data_ptr()});
   }
   return out;
 }
@@ -458,6 +476,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_one_row(
     // this thread's row: the residual stream, normed activations, queries, SiLU * up
     std::vector<T> res(H), h(H), q(heads * hd), act(inter);
     quant::Activations acts;
+    // this thread's row groups of `lin` into y; returns the rows [first, last) written
     const auto linear = [&](const RowLinear& lin, const T* x, T* y) {
       quant::prepare_row(lin.route, lin.fmt, x, lin.k, dtype, acts);
       const int64_t per = (lin.groups() + nt - 1) / nt;
@@ -465,6 +484,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_one_row(
       const int64_t g1 = std::min(lin.groups(), g0 + per);
       quant::quant_row_groups(acts, lin.qs, lin.scales, lin.fmt, lin.k, lin.n, lin.bias,
                               lin.route, g0, g1, y, dtype);
+      return std::make_pair(g0 * quant::kGroupRows,
+                            std::min(lin.n, g1 * quant::kGroupRows));
+    };
+    // a bias in T added as decode_layer's qkv.add_ adds it: rounded once to T
+    const auto add_bias = [&](const void* bias, std::pair<int64_t, int64_t> rows, T* y) {
+      const T* b = static_cast<const T*>(bias);
+      for (int64_t j = rows.first; j < rows.second; ++j)
+        y[j] = static_cast<T>(static_cast<float>(y[j]) + static_cast<float>(b[j]));
     };
     for (size_t i = 0; i < layers.size(); ++i) {
       const RowLayer& L = layers[i];
@@ -475,7 +502,15 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_one_row(
       } else {
         rms_norm_row(out_p, res.data(), L.in_norm, h.data(), res.data(), H, feps, dtype);
       }
-      linear(L.qkv, h.data(), qkv_p);
+      const auto head_rows = linear(L.qkv, h.data(), qkv_p);
+      if (L.tail.n > 0) {
+        auto tail_rows = linear(L.tail, h.data(), qkv_p + L.qkv.n);
+        if (L.tail_bias != nullptr) {
+          add_bias(L.tail_bias, head_rows, qkv_p);
+          tail_rows = {tail_rows.first + L.qkv.n, tail_rows.second + L.qkv.n};
+          add_bias(L.tail_bias, tail_rows, qkv_p);
+        }
+      }
       barrier.wait();  // qkv whole
       rotate_queries(qkv_p, 1, heads, kv_heads, hd, c, s, q.data());
       if (tid == 0) {

@@ -137,14 +137,15 @@ LONG_PROMPT = [(7 * i + 3) % 60 + 1 for i in range(200)]  # 13 blocks: partition
 INT16_BUILT = cpu_extension.is_available() and 7 in cpu_extension.require().quant_routes()
 
 
-@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_1_qwen2"])
+@pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_1_qwen2", "q4_k_m_llama", "q4_k_m_qwen2"])
 @pytest.mark.parametrize("backend", ["int8", "int16", "widen", "bf16dot"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("prompt", [PROMPTS[0], LONG_PROMPT], ids=["19", "200"])
 def test_one_row_runs_every_layer_in_one_region(models, fmt, backend, dtype, prompt):
-    """At one row, on an integer route, the op runs its one-row stack (one parallel
-    region for all layers): the same bits as the torch layers, the qkv bias (qwen2) and
-    rows whose keys are cut into partitions (200) included."""
+    """At one row with quantized weights the op runs its one-row stack (one parallel
+    region for all layers): the same bits as the torch layers, the qkv bias (qwen2), a
+    q/k/v projection in two formats (Q4_K_M: a Q6_K v) and rows whose keys are cut into
+    partitions (200) included."""
     if backend == "int16" and not INT16_BUILT:
         pytest.skip("the int16 route is built on AVX2 CPUs only")
     # (bf16dot on float32 activations or Q8_0 weights runs the widening route: also taken)
@@ -162,8 +163,8 @@ def test_one_row_with_a_window_or_an_fp8_cache(models, kv_dtype):
 
 
 def test_the_one_row_stack_takes_only_what_it_runs(models):
-    """Two rows, one thread, dequantised weights (the native path) or a q/k/v projection
-    in two formats go layer by layer, with the same bits."""
+    """Two rows, one thread or dequantised weights (the native path) go layer by layer,
+    with the same bits."""
     runner = runner_for(models["q4_1"], "bfloat16", "int8")
     assert_same(decode_both_ways(runner, prompts=PROMPTS[:2], one_row_stack=False))
     before = torch.get_num_threads()
@@ -173,8 +174,6 @@ def test_the_one_row_stack_takes_only_what_it_runs(models):
     finally:
         torch.set_num_threads(before)
     assert_same(decode_both_ways(runner_for(models["q4_1"], "bfloat16", "native"),
-                                 prompts=[PROMPTS[0]], one_row_stack=False))
-    assert_same(decode_both_ways(runner_for(models["q4_k_m_llama"], "bfloat16", "int8"),
                                  prompts=[PROMPTS[0]], one_row_stack=False))
 
 
