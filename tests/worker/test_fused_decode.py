@@ -162,6 +162,19 @@ def test_one_row_with_a_window_or_an_fp8_cache(models, kv_dtype):
                                  prompts=[LONG_PROMPT], one_row_stack=True))
 
 
+def test_one_row_at_more_threads_than_cores(models):
+    """The stack's threads wait for each other at barriers: oversubscribed (3 and 4
+    threads here, on any core count) they still meet, with the same bits."""
+    runner = runner_for(models["q4_1"], "bfloat16", "int8")
+    before = torch.get_num_threads()
+    try:
+        for threads in (3, 4):
+            torch.set_num_threads(threads)
+            assert_same(decode_both_ways(runner, prompts=[LONG_PROMPT], one_row_stack=True))
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_one_row_stack_takes_only_what_it_runs(models):
     """Two rows, one thread or dequantised weights (the native path) go layer by layer,
     with the same bits."""
