@@ -24,8 +24,8 @@
 // tensor parallelism: the caller checks (worker/models/fused_decode.py).
 //
 // decode_layers runs a step's layers one after another, each op with its own parallel
-// region; at one row with quantized weights it runs them all in one (the one-row stack,
-// below), with the same bits.
+// region; at one row with quantized weights or 16-bit ones on Folio's kernel it runs
+// them all in one (the one-row stack, below), with the same bits.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -334,12 +334,16 @@ class SpinBarrier {
   int size_ = 1;
 };
 
-// A quantized linear layer of the one-row stack.
+// A linear layer of the one-row stack: quantized (qs, scales) or a 16-bit weight on
+// Folio's kernel (half_linear).
 struct RowLinear {
   const uint8_t* qs = nullptr;
   const uint8_t* scales = nullptr;
   int64_t fmt = 0, n = 0, k = 0, route = 0;  // route: as quant::row_route resolves it
-  const float* bias = nullptr;  // qkv's, in float32 (quant_linear converts it so), or null
+  const void* half = nullptr;                // the 16-bit weight [n, k], rows ldw apart
+  int64_t ldw = 0;
+  at::ScalarType half_dtype = at::kBFloat16;
+  const float* bias = nullptr;  // qkv's, in float32 (both kernels convert it so), or null
   int64_t groups() const { return (n + quant::kGroupRows - 1) / quant::kGroupRows; }
 };
 
@@ -356,8 +360,9 @@ struct RowLayer {
 
 // The operands of `layers` layers if the one-row stack takes them, else nothing: one
 // row, at least two threads and not already in a parallel region, activations in a
-// type every kernel here takes, and every linear layer quantized, on a route that takes
-// one row by itself (not AMX's tiles, not dequantised); q/k/v may be in two formats.
+// type every kernel here takes, and every linear layer either quantized, on a route that
+// takes one row by itself (not AMX's tiles, not dequantised), or 16-bit on Folio's kernel
+// (not torch's GEMM or oneDNN); q/k/v may be in two formats.
 // `qkv_bias` holds the layers' qkv biases as the stack adds them.
 std::optional<std::vector<RowLayer>> row_layers(
     const at::Tensor& hidden, const std::vector<OptTensor>& w, const std::vector<int64_t>& meta,
@@ -383,24 +388,42 @@ std::optional<std::vector<RowLayer>> row_layers(
     const bool tail = has(wi[kQkvTail]);
     // slots: qkv 2-3, o 5-6, gate_up 7-8, down 9-10, the tail 11-12 (its meta at lm + 12)
     constexpr int kSlot[5] = {kQkv, kO, kGateUp, kDown, kQkvTail};
-    for (int l = 0; l < (tail ? 5 : 4); ++l)
-      if (lm[3 * l] == kNative || lm[3 * l] == kMkldnn || !has(wi[kSlot[l]]) ||
-          !has(wi[kSlot[l] + 1]) ||
-          quant::row_route(quant_route(lm[3 * l]), lm[3 * l + 1], dtype) < 0)
+    for (int l = 0; l < (tail ? 5 : 4); ++l) {
+      const int64_t path = lm[3 * l];
+      if (!has(wi[kSlot[l]])) return std::nullopt;
+      const bool quantized = has(wi[kSlot[l] + 1]) && path != kMkldnn;
+      if (quantized ? path == kNative ||
+                          quant::row_route(quant_route(path), lm[3 * l + 1], dtype) < 0
+                    : path != kKernel || !half_linear_takes(*wi[kSlot[l]]))
         return std::nullopt;
+    }
     const int64_t heads = mi[kHeads], kv_heads = mi[kKvHeads], hd = mi[kHeadDim];
     const int64_t hidden_size = hidden.size(1);
     const int64_t inter = lm[8] / 2;
     const auto linear = [&](int slot, const int64_t* m, int64_t k, int64_t n_want,
                             const float* bias) {
-      const at::Tensor& qs = *wi[slot];
-      const at::Tensor& sc = *wi[slot + 1];
-      quant::check_quant_weight(k, qs, sc, m[1], m[2]);
       TORCH_CHECK(m[2] == n_want, "decode_layer: a linear layer's width does not match the "
                   "model's shape");
-      return RowLinear{qs.const_data_ptr<uint8_t>(),
-                       static_cast<const uint8_t*>(sc.const_data_ptr()), m[1], m[2], k,
-                       quant::row_route(quant_route(m[0]), m[1], dtype), bias};
+      RowLinear lin;
+      lin.n = m[2];
+      lin.k = k;
+      lin.bias = bias;
+      const at::Tensor& weight = *wi[slot];
+      if (m[0] == kKernel && !has(wi[slot + 1])) {  // (row_layers' caller: half_linear_takes)
+        TORCH_CHECK(weight.size(0) == lin.n && weight.size(1) == k,
+                    "decode_layer: a weight's shape does not match the model's");
+        lin.half = weight.const_data_ptr();
+        lin.ldw = weight.stride(0);
+        lin.half_dtype = weight.scalar_type();
+        return lin;
+      }
+      const at::Tensor& sc = *wi[slot + 1];
+      quant::check_quant_weight(k, weight, sc, m[1], m[2]);
+      lin.qs = weight.const_data_ptr<uint8_t>();
+      lin.scales = static_cast<const uint8_t*>(sc.const_data_ptr());
+      lin.fmt = m[1];
+      lin.route = quant::row_route(quant_route(m[0]), m[1], dtype);
+      return lin;
     };
     const float* bias = nullptr;
     const void* tail_bias = nullptr;
@@ -476,14 +499,21 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_one_row(
     // this thread's row: the residual stream, normed activations, queries, SiLU * up
     std::vector<T> res(H), h(H), q(heads * hd), act(inter);
     quant::Activations acts;
+    std::vector<float> xf;  // the 16-bit kernel's widened row
     // this thread's row groups of `lin` into y; returns the rows [first, last) written
     const auto linear = [&](const RowLinear& lin, const T* x, T* y) {
-      quant::prepare_row(lin.route, lin.fmt, x, lin.k, dtype, acts);
       const int64_t per = (lin.groups() + nt - 1) / nt;
       const int64_t g0 = std::min(lin.groups(), tid * per);
       const int64_t g1 = std::min(lin.groups(), g0 + per);
-      quant::quant_row_groups(acts, lin.qs, lin.scales, lin.fmt, lin.k, lin.n, lin.bias,
-                              lin.route, g0, g1, y, dtype);
+      if (lin.half != nullptr) {
+        half_prepare_row(x, lin.k, dtype, lin.half_dtype, xf);
+        half_row_blocks(xf.data(), lin.k, lin.half, lin.ldw, lin.half_dtype, lin.bias, g0, g1,
+                        y, lin.n, dtype);
+      } else {
+        quant::prepare_row(lin.route, lin.fmt, x, lin.k, dtype, acts);
+        quant::quant_row_groups(acts, lin.qs, lin.scales, lin.fmt, lin.k, lin.n, lin.bias,
+                                lin.route, g0, g1, y, dtype);
+      }
       return std::make_pair(g0 * quant::kGroupRows,
                             std::min(lin.n, g1 * quant::kGroupRows));
     };

@@ -241,6 +241,41 @@ at::Tensor half_linear(const at::Tensor& x_in, const at::Tensor& weight,
   return out;
 }
 
+bool half_linear_takes(const at::Tensor& weight) {
+  const at::ScalarType wt = weight.scalar_type();
+  return weight.dim() == 2 && weight.stride(1) == 1 && weight.size(0) % kBlockN == 0 &&
+         weight.size(1) % (2 * kLanes) == 0 && (wt == at::kBFloat16 || wt == at::kHalf);
+}
+
+void half_prepare_row(const void* x, int64_t k, at::ScalarType dtype, at::ScalarType weight_dtype,
+                      std::vector<float>& buf) {
+  buf.resize(static_cast<size_t>(k));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "half_prepare_row", [&] {
+    const scalar_t* row = static_cast<const scalar_t*>(x);
+    if (weight_dtype == at::kBFloat16)
+      x_in_chunk_order<c10::BFloat16>(row, 1, k, k, buf.data());
+    else
+      x_in_chunk_order<c10::Half>(row, 1, k, k, buf.data());
+  });
+}
+
+void half_row_blocks(const float* x, int64_t k, const void* weight, int64_t ldw,
+                     at::ScalarType weight_dtype, const float* bias, int64_t b0, int64_t b1,
+                     void* y, int64_t n, at::ScalarType dtype) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "half_row_blocks", [&] {
+    scalar_t* out = static_cast<scalar_t*>(y);
+    const auto blocks = [&](auto* w) {  // as run() at one row
+      for (int64_t b = b0; b < b1; ++b)
+        block(x, 1, k, w + b * kBlockN * ldw, ldw, bias ? bias + b * kBlockN : nullptr,
+              out + b * kBlockN, n);
+    };
+    if (weight_dtype == at::kBFloat16)
+      blocks(static_cast<const c10::BFloat16*>(weight));
+    else
+      blocks(static_cast<const c10::Half*>(weight));
+  });
+}
+
 }  // namespace folio
 
 TORCH_LIBRARY_FRAGMENT(folio, m) {

@@ -10,12 +10,23 @@
 #include <memory>
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace folio {
 
 // half_linear.cpp: x @ weight.T (+ bias) for a bf16/fp16 [N, K] row-major weight.
 at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias);
+
+// half_linear.cpp, half_linear at one row, a thread's share at a time: whether it takes
+// `weight`; x [k] widened into `buf` as it reads x; the weight's blocks [b0, b1) of 16
+// rows into y[n] (+ bias, float32), rounded to `dtype` as half_linear rounds them.
+bool half_linear_takes(const at::Tensor& weight);
+void half_prepare_row(const void* x, int64_t k, at::ScalarType dtype, at::ScalarType weight_dtype,
+                      std::vector<float>& buf);
+void half_row_blocks(const float* x, int64_t k, const void* weight, int64_t ldw,
+                     at::ScalarType weight_dtype, const float* bias, int64_t b0, int64_t b1,
+                     void* y, int64_t n, at::ScalarType dtype);
 
 // amx_linear.cpp: x @ weight.T (+ bias) on AMX tiles for a bf16 [N, K] contiguous weight.
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight,

@@ -153,6 +153,17 @@ def test_one_row_runs_every_layer_in_one_region(models, fmt, backend, dtype, pro
     assert_same(decode_both_ways(runner, prompts=[prompt], one_row_stack=True))
 
 
+@pytest.mark.parametrize("fmt", ["f16", "qwen2"])
+@pytest.mark.parametrize("prompt", [PROMPTS[0], LONG_PROMPT], ids=["19", "200"])
+def test_one_row_with_16_bit_weights_on_folios_kernel(models, fmt, prompt):
+    """bf16 weights on the `kernel` path (half_linear) take the stack too, qkv bias
+    (qwen2) included; on torch's GEMM or oneDNN they do not."""
+    runner = runner_for(models[fmt], "bfloat16", "kernel", quantization="none")
+    assert_same(decode_both_ways(runner, prompts=[prompt], one_row_stack=True))
+    runner = runner_for(models[fmt], "bfloat16", "native", quantization="none")
+    assert_same(decode_both_ways(runner, prompts=[prompt], one_row_stack=False))
+
+
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["same", "e4m3fn"])
 def test_one_row_with_a_window_or_an_fp8_cache(models, kv_dtype):
     runner = runner_for(models["q4_1"], "bfloat16", "int8")
