@@ -62,17 +62,25 @@ void widen(const uint8_t* qs, const uint8_t* sc, long B, long groups, const floa
     tile_widen<Fmt, 1>(qs + g * qsz, sc + g * ssz, B, x, B * 32, xsum, 0, out + 16 * g);
 }}
 BY_FORMAT(widen_{v}, widen)
+// One activation row, quantized per block as the int8 routes take it, through `tile`.
+template <int64_t Fmt, typename Tile>
+void int8_row(const uint8_t* qs, const uint8_t* sc, long B, long groups, const float* x,
+              float* out, Tile tile) {{
+  using namespace folio_{v}::quant;
+  long qsz, ssz;
+  layout_{v}(Fmt, B, &qsz, &ssz);
+  QuantizedRows xr;
+  quantize_rows(x, B * 32, 1, B * 32, xr);
+  for (long g = 0; g < groups; ++g) tile(qs + g * qsz, sc + g * ssz, B, xr, out + 16 * g);
+}}
 #ifdef __AVX2__
 template <int64_t Fmt>
 void dot8(const uint8_t* qs, const uint8_t* sc, long B, long groups, const float* x,
           const float*, float* out) {{
   using namespace folio_{v}::quant;
-  long qsz, ssz;
-  layout_{v}(Fmt, B, &qsz, &ssz);
-  QuantizedRows xr;  // one activation row, quantized per block as the int8 routes take it
-  quantize_rows(x, B * 32, 1, B * 32, xr);
-  for (long g = 0; g < groups; ++g)
-    tile_avx2<Fmt, 1>(qs + g * qsz, sc + g * ssz, B, xr, 0, out + 16 * g);
+  int8_row<Fmt>(qs, sc, B, groups, x, out,
+                [](const uint8_t* q, const uint8_t* s, long B, const QuantizedRows& xr,
+                   float* o) {{ tile_avx2<Fmt, 1>(q, s, B, xr, 0, o); }});
 }}
 BY_FORMAT(int8_{v}, dot8)
 #endif
@@ -106,12 +114,9 @@ template <int64_t Fmt>
 void dotvnni(const uint8_t* qs, const uint8_t* sc, long B, long groups, const float* x,
              const float*, float* out) {{
   using namespace folio_{v}::quant;
-  long qsz, ssz;
-  layout_{v}(Fmt, B, &qsz, &ssz);
-  QuantizedRows xr;  // one activation row, quantized per block as the int8 routes take it
-  quantize_rows(x, B * 32, 1, B * 32, xr);
-  for (long g = 0; g < groups; ++g)
-    tile_vnni512<Fmt, 1>(qs + g * qsz, sc + g * ssz, B, xr, 0, out + 16 * g);
+  int8_row<Fmt>(qs, sc, B, groups, x, out,
+                [](const uint8_t* q, const uint8_t* s, long B, const QuantizedRows& xr,
+                   float* o) {{ tile_vnni512<Fmt, 1>(q, s, B, xr, 0, o); }});
 }}
 BY_FORMAT(vnni_{v}, dotvnni)
 #endif
