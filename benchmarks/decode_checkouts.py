@@ -1,10 +1,11 @@
-"""Batch-1 decode steps of two checkouts side by side: a change against its base.
+"""Decode steps of two checkouts side by side (batch 1, or ``--batch``): a change against
+its base.
 
 A kernel change cannot be toggled inside one process (the native extension is built per
 source folder), so each checkout runs in a process of its own, base then this one,
 alternated ``--pairs`` times in one sitting (a shared VM drifts by more than a small
-gain). Each process prefills one request of ``context`` prompt tokens and times its
-decode steps with ``decode_roofline.time_decode_steps`` (the whole engine step), for
+gain). Each process prefills one request (``--batch`` of them) of ``context`` prompt
+tokens and times the steps in which they all decode with ``decode_roofline.time_decode_steps`` (the whole engine step), for
 every context in ``--contexts``; the median step is reported per pair, with the ratio
 base / this. The CPU model and flags are recorded with the result.
 
@@ -32,12 +33,13 @@ def child(args) -> None:
     from folio import LLM
     torch.set_num_threads(args.threads)
     llm = LLM(model=args.model, quantization=args.quantization, num_threads=args.threads,
-              max_num_seqs=8, max_num_batched_tokens=2048,
+              max_num_seqs=max(8, args.batch), max_num_batched_tokens=2048,
               max_model_len=max(args.contexts) + args.steps + args.warmup_steps + 64,
               enable_prefix_caching=False, kv_cache_bytes=1 << 30,
               **{"observability.log_level": "warning"})
     time_decode_steps(llm, 1, 128, 16, 8)  # first steps of a process run slow
-    out = {c: statistics.median(time_decode_steps(llm, 1, c, args.steps, args.warmup_steps))
+    out = {c: statistics.median(time_decode_steps(llm, args.batch, c, args.steps,
+                                                  args.warmup_steps))
            for c in args.contexts}
     print("RESULT " + json.dumps(out))
 
@@ -46,7 +48,8 @@ def run_checkout(root: Path, args) -> dict[int, float]:
     cmd = [sys.executable, str(HERE / "benchmarks" / "decode_checkouts.py"), "--child",
            "--contexts", *map(str, args.contexts), "--model", args.model,
            "--quantization", args.quantization, "--threads", str(args.threads),
-           "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps)]
+           "--steps", str(args.steps), "--warmup-steps", str(args.warmup_steps),
+           "--batch", str(args.batch)]
     done = subprocess.run(cmd, cwd=root, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(root)})
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -59,6 +62,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", type=Path, help="the other checkout (its own folder)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 250, 400, 900])
+    ap.add_argument("--batch", type=int, default=1, help="requests decoding together")
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--model", default="default")
     ap.add_argument("--quantization", default="auto")

@@ -24,8 +24,8 @@
 // tensor parallelism: the caller checks (worker/models/fused_decode.py).
 //
 // decode_layers runs a step's layers one after another, each op with its own parallel
-// region; at one row with quantized weights or 16-bit ones on Folio's kernel it runs
-// them all in one (the one-row stack, below), with the same bits.
+// region; at a few rows (up to 8) with quantized weights or 16-bit ones on Folio's
+// kernel it runs them all in one (the row stack, below), with the same bits.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -293,20 +293,21 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   return {linear(act, w[kDown], w[kDownScales], c10::nullopt, lm + 9), res};
 }
 
-// ---- one row: every layer in one parallel region ---------------------------------------
+// ---- the row stack: a few rows, every layer in one parallel region ----------------------
 //
 // At one decode row each op of a layer is a few microseconds (the default model's linear
 // layers 6-33 us at two threads, attention ~20, norms, RoPE and SiLU 1-3 each), and
 // decode_layer pays per linear layer ~1.3 us of parallel region and 1.3-2.5 us of serial
 // preparation (output allocation, checks, quantizing the activations) while the other
 // thread waits: ~15 us of a ~95 us layer (the AVX-512 EPYC, timed inside the op). Here
-// one parallel region runs every layer. Each thread computes the row's vector work
-// (norms, RoPE, SiLU, quantizing the activations) itself, into its own buffers, with the
-// same functions and so the same values; the linear layers' row groups and attention's
-// work items are shared out, and the threads meet at a barrier wherever one needs the
-// others' output. The same kernels and roundings give the same bits as decode_layer.
-// The default Q4_1 model's batch-1 step, before / after: 1.25x at 128 prompt tokens,
-// 1.21x at 400 (four alternated pairs, benchmarks/decode_checkouts.py; README).
+// one parallel region runs every layer, for up to as many rows as a quantized tile takes
+// at once (8). Each thread computes the rows' vector work (norms, RoPE, SiLU, preparing
+// the activations) itself, into its own buffers, with the same functions and so the
+// same values; the linear layers' row groups and attention's work items are shared out,
+// and the threads meet at a barrier wherever one needs the others' output. The same
+// kernels and roundings give the same bits as decode_layer. The default Q4_1 model's
+// batch-1 step, before / after: 1.25x at 128 prompt tokens, 1.21x at 400 (four
+// alternated pairs, benchmarks/decode_checkouts.py; README).
 
 // Threads of one team wait here for each other, spinning (a team holds its cores for
 // the whole step; OpenMP's barrier would do, at a higher price per meeting).
@@ -334,7 +335,7 @@ class SpinBarrier {
   int size_ = 1;
 };
 
-// A linear layer of the one-row stack: quantized (qs, scales) or a 16-bit weight on
+// A linear layer of the row stack: quantized (qs, scales) or a 16-bit weight on
 // Folio's kernel (half_linear).
 struct RowLinear {
   const uint8_t* qs = nullptr;
@@ -347,7 +348,7 @@ struct RowLinear {
   int64_t groups() const { return (n + quant::kGroupRows - 1) / quant::kGroupRows; }
 };
 
-// A layer of the one-row stack.
+// A layer of the row stack.
 struct RowLayer {
   const void* in_norm;
   const void* post_norm;
@@ -358,11 +359,11 @@ struct RowLayer {
   void* cache;             // keys; values plane elements later
 };
 
-// The operands of `layers` layers if the one-row stack takes them, else nothing: one
-// row, at least two threads and not already in a parallel region, activations in a
+// The operands of `layers` layers if the row stack takes them, else nothing: 1 to 8
+// rows, at least two threads and not already in a parallel region, activations in a
 // type every kernel here takes, and every linear layer either quantized, on a route that
-// takes one row by itself (not AMX's tiles, not dequantised), or 16-bit on Folio's kernel
-// (not torch's GEMM or oneDNN); q/k/v may be in two formats.
+// takes a tile of rows by itself (not AMX's tiles of 16, not dequantised), or 16-bit on
+// Folio's kernel (not torch's GEMM or oneDNN); q/k/v may be in two formats.
 // `qkv_bias` holds the layers' qkv biases as the stack adds them.
 std::optional<std::vector<RowLayer>> row_layers(
     const at::Tensor& hidden, const std::vector<OptTensor>& w, const std::vector<int64_t>& meta,
@@ -370,7 +371,8 @@ std::optional<std::vector<RowLayer>> row_layers(
     const at::Tensor& cos, const at::Tensor& sin, std::vector<at::Tensor>& qkv_bias) {
   const int64_t layers = static_cast<int64_t>(kv_caches.size());
   const auto dtype = hidden.scalar_type();
-  if (layers == 0 || hidden.dim() != 2 || hidden.size(0) != 1 || at::get_num_threads() < 2 ||
+  if (layers == 0 || hidden.dim() != 2 || hidden.size(0) < 1 ||
+      hidden.size(0) > quant::row_tile_rows() || at::get_num_threads() < 2 ||
       at::in_parallel_region() || !silu_and_mul_takes(dtype) ||
       !(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat))
     return std::nullopt;
@@ -457,29 +459,30 @@ std::optional<std::vector<RowLayer>> row_layers(
   return out;
 }
 
-// Every layer at one row (row_layers took them), as decode_layers.
+// Every layer of a few rows (row_layers took them), as decode_layers.
 template <typename T>
-std::tuple<at::Tensor, at::Tensor> decode_layers_one_row(
+std::tuple<at::Tensor, at::Tensor> decode_layers_stacked(
     const at::Tensor& hidden, const std::vector<RowLayer>& layers,
     const std::vector<int64_t>& meta, const std::vector<at::Tensor>& kv_caches,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     const at::Tensor& cos, const at::Tensor& sin, double eps, double scale,
     std::optional<int64_t> sliding_window) {
-  const int64_t H = hidden.size(1), heads = meta[kHeads], kv_heads = meta[kKvHeads],
+  const int64_t R = hidden.size(0), H = hidden.size(1), heads = meta[kHeads],
+                kv_heads = meta[kKvHeads],
                 hd = meta[kHeadDim], qkv_n = (heads + 2 * kv_heads) * hd,
                 inter = layers[0].gate_up.n / 2;
   const auto dtype = hidden.scalar_type();
   const auto opts = hidden.options();
   // shared: the linear layers' outputs and attention's; `out` ends as the result
-  at::Tensor qkv = at::empty({qkv_n}, opts), attn = at::empty({1, heads, hd}, opts),
-             o = at::empty({H}, opts), gate_up = at::empty({2 * inter}, opts),
-             out = at::empty({1, H}, opts), res_out = at::empty({1, H}, opts);
+  at::Tensor qkv = at::empty({R, qkv_n}, opts), attn = at::empty({R, heads, hd}, opts),
+             o = at::empty({R, H}, opts), gate_up = at::empty({R, 2 * inter}, opts),
+             out = at::empty({R, H}, opts), res_out = at::empty({R, H}, opts);
   const int team_size = at::get_num_threads();
   // every layer's attention has the same block tables and lengths: planned once
   const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
   TeamAttention attention(attn, kv_caches[0], tables, lens, scale, sliding_window, team_size);
   const int64_t plane = kv_caches[0].size(1) * kv_caches[0].size(2) * kv_heads * hd;
-  const int64_t slot = slot_mapping.const_data_ptr<int64_t>()[0];
+  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
   const T* x_in = hidden.const_data_ptr<T>();
   const T* c = cos.const_data_ptr<T>();
   const T* s = sin.const_data_ptr<T>();
@@ -496,45 +499,49 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_one_row(
 #pragma omp single
     barrier.set_size(omp_get_num_threads());  // (the single's own barrier publishes it)
     const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-    // this thread's row: the residual stream, normed activations, queries, SiLU * up
-    std::vector<T> res(H), h(H), q(heads * hd), act(inter);
+    // this thread's rows: the residual stream, normed activations, queries, SiLU * up
+    std::vector<T> res(R * H), h(R * H), q(R * heads * hd), act(R * inter);
     quant::Activations acts;
-    std::vector<float> xf;  // the 16-bit kernel's widened row
-    // this thread's row groups of `lin` into y; returns the rows [first, last) written
-    const auto linear = [&](const RowLinear& lin, const T* x, T* y) {
+    std::vector<float> xf;  // the 16-bit kernel's widened rows
+    // this thread's row groups of `lin` on x [R, k] into y (rows ldy apart); returns the
+    // columns [first, last) it wrote
+    const auto linear = [&](const RowLinear& lin, const T* x, T* y, int64_t ldy) {
       const int64_t per = (lin.groups() + nt - 1) / nt;
       const int64_t g0 = std::min(lin.groups(), tid * per);
       const int64_t g1 = std::min(lin.groups(), g0 + per);
       if (lin.half != nullptr) {
-        half_prepare_row(x, lin.k, dtype, lin.half_dtype, xf);
-        half_row_blocks(xf.data(), lin.k, lin.half, lin.ldw, lin.half_dtype, lin.bias, g0, g1,
-                        y, lin.n, dtype);
+        half_prepare_rows(x, R, lin.k, dtype, lin.half_dtype, xf);
+        half_row_blocks(xf.data(), R, lin.k, lin.half, lin.ldw, lin.half_dtype, lin.bias, g0,
+                        g1, y, ldy, dtype);
       } else {
-        quant::prepare_row(lin.route, lin.fmt, x, lin.k, dtype, acts);
-        quant::quant_row_groups(acts, lin.qs, lin.scales, lin.fmt, lin.k, lin.n, lin.bias,
-                                lin.route, g0, g1, y, dtype);
+        quant::prepare_rows(lin.route, lin.fmt, x, R, lin.k, dtype, acts);
+        quant::quant_row_groups(acts, R, lin.qs, lin.scales, lin.fmt, lin.k, lin.n, lin.bias,
+                                lin.route, g0, g1, y, ldy, dtype);
       }
       return std::make_pair(g0 * quant::kGroupRows,
                             std::min(lin.n, g1 * quant::kGroupRows));
     };
-    // a bias in T added as decode_layer's qkv.add_ adds it: rounded once to T
-    const auto add_bias = [&](const void* bias, std::pair<int64_t, int64_t> rows, T* y) {
+    // a bias in T added as decode_layer's qkv.add_ adds it (rounded once to T) to the
+    // columns [first, last) of every row of y [R, qkv_n]
+    const auto add_bias = [&](const void* bias, std::pair<int64_t, int64_t> cols, T* y) {
       const T* b = static_cast<const T*>(bias);
-      for (int64_t j = rows.first; j < rows.second; ++j)
-        y[j] = static_cast<T>(static_cast<float>(y[j]) + static_cast<float>(b[j]));
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t j = cols.first; j < cols.second; ++j)
+          y[r * qkv_n + j] =
+              static_cast<T>(static_cast<float>(y[r * qkv_n + j]) + static_cast<float>(b[j]));
     };
     for (size_t i = 0; i < layers.size(); ++i) {
       const RowLayer& L = layers[i];
-      if (tid == 0) prefetch_slots(kv_caches[i], &slot, 1);
+      if (tid == 0) prefetch_slots(kv_caches[i], slots, R);
       if (i == 0) {  // the first layer: the residual is its input
-        rms_norm_row(x_in, nullptr, L.in_norm, h.data(), nullptr, H, feps, dtype);
-        std::copy(x_in, x_in + H, res.begin());
+        rms_norm_rows(x_in, nullptr, L.in_norm, h.data(), nullptr, R, H, feps, dtype);
+        std::copy(x_in, x_in + R * H, res.begin());
       } else {
-        rms_norm_row(out_p, res.data(), L.in_norm, h.data(), res.data(), H, feps, dtype);
+        rms_norm_rows(out_p, res.data(), L.in_norm, h.data(), res.data(), R, H, feps, dtype);
       }
-      const auto head_rows = linear(L.qkv, h.data(), qkv_p);
+      const auto head_rows = linear(L.qkv, h.data(), qkv_p, qkv_n);
       if (L.tail.n > 0) {
-        auto tail_rows = linear(L.tail, h.data(), qkv_p + L.qkv.n);
+        auto tail_rows = linear(L.tail, h.data(), qkv_p + L.qkv.n, qkv_n);
         if (L.tail_bias != nullptr) {
           add_bias(L.tail_bias, head_rows, qkv_p);
           tail_rows = {tail_rows.first + L.qkv.n, tail_rows.second + L.qkv.n};
@@ -542,25 +549,25 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_one_row(
         }
       }
       barrier.wait();  // qkv whole
-      rotate_queries(qkv_p, 1, heads, kv_heads, hd, c, s, q.data());
+      rotate_queries(qkv_p, R, heads, kv_heads, hd, c, s, q.data());
       if (tid == 0) {
         with_cache_type<T>(kv_caches[i], [&](auto* type) {
           using C = std::remove_pointer_t<decltype(type)>;
           C* cache = static_cast<C*>(L.cache);
-          write_keys_values(qkv_p, 1, heads, kv_heads, hd, c, s, &slot, cache, cache + plane);
+          write_keys_values(qkv_p, R, heads, kv_heads, hd, c, s, slots, cache, cache + plane);
         });
         attention.reset();
       }
       barrier.wait();  // this step's key and value in the cache
       attention.work(q.data(), L.cache, attn_p);
       barrier.wait();  // attention whole
-      linear(L.o, attn_p, o_p);
+      linear(L.o, attn_p, o_p, H);
       barrier.wait();  // o whole
-      rms_norm_row(o_p, res.data(), L.post_norm, h.data(), res.data(), H, feps, dtype);
-      linear(L.gate_up, h.data(), gate_up_p);
+      rms_norm_rows(o_p, res.data(), L.post_norm, h.data(), res.data(), R, H, feps, dtype);
+      linear(L.gate_up, h.data(), gate_up_p, 2 * inter);
       barrier.wait();  // gate/up whole
-      silu_and_mul_row(gate_up_p, act.data(), inter, dtype);
-      linear(L.down, act.data(), out_p);
+      silu_and_mul_rows(gate_up_p, act.data(), R, inter, dtype);
+      linear(L.down, act.data(), out_p, H);
       barrier.wait();  // the layer's output whole
     }
     if (tid == 0) std::copy(res.begin(), res.end(), res_out.data_ptr<T>());
@@ -582,12 +589,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
               "decode_layers: weights must hold ", kNumSlots, " entries per layer");
   TORCH_CHECK(static_cast<int64_t>(meta.size()) == layers * kNumMeta,
               "decode_layers: meta must hold ", kNumMeta, " ints per layer");
-  std::vector<at::Tensor> qkv_bias;  // the one-row stack's, in float32
+  std::vector<at::Tensor> qkv_bias;  // the row stack's, as it adds them
   if (auto row = row_layers(hidden, w, meta, kv_caches, slot_mapping, cos, sin, qkv_bias)) {
     std::tuple<at::Tensor, at::Tensor> result;
     vec::with_element_type(hidden.scalar_type(), [&](auto tag) {
       using T = decltype(tag);
-      result = decode_layers_one_row<T>(hidden, *row, meta, kv_caches, slot_mapping,
+      result = decode_layers_stacked<T>(hidden, *row, meta, kv_caches, slot_mapping,
                                         block_tables, seq_lens, cos, sin, eps, scale,
                                         sliding_window);
     });
@@ -606,8 +613,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
   return {h, res.has_value() ? *res : at::Tensor()};
 }
 
-// Whether decode_layers runs these operands as the one-row stack (else layer by layer).
-bool decode_layers_one_row_takes(const at::Tensor& hidden, const std::vector<OptTensor>& w,
+// Whether decode_layers runs these operands as the row stack (else layer by layer).
+bool decode_layers_stack_takes(const at::Tensor& hidden, const std::vector<OptTensor>& w,
                                  const std::vector<int64_t>& meta,
                                  const std::vector<at::Tensor>& kv_caches,
                                  const at::Tensor& slot_mapping, const at::Tensor& cos,
@@ -639,15 +646,15 @@ TORCH_LIBRARY_FRAGMENT(folio, m) {
   m.def("decode_layers(Tensor hidden, Tensor?[] weights, int[] meta, Tensor(a!)[] kv_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor cos, Tensor sin, "
         "float eps, float scale, int? sliding_window=None) -> (Tensor, Tensor)");
-  // whether decode_layers runs these operands in one parallel region (one row)
-  m.def("decode_layers_one_row_takes(Tensor hidden, Tensor?[] weights, int[] meta, "
+  // whether decode_layers runs these operands in one parallel region (the row stack)
+  m.def("decode_layers_stack_takes(Tensor hidden, Tensor?[] weights, int[] meta, "
         "Tensor[] kv_caches, Tensor slot_mapping, Tensor cos, Tensor sin) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(folio, CPU, m) {
   m.impl("decode_layer", &folio::decode_layer);
   m.impl("decode_layers", &folio::decode_layers);
-  m.impl("decode_layers_one_row_takes", &folio::decode_layers_one_row_takes);
+  m.impl("decode_layers_stack_takes", &folio::decode_layers_stack_takes);
 }
 
 // A weight prepacked for oneDNN (the mkldnn path) is an MkldnnCPU tensor, and the

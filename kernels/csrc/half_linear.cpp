@@ -247,27 +247,27 @@ bool half_linear_takes(const at::Tensor& weight) {
          weight.size(1) % (2 * kLanes) == 0 && (wt == at::kBFloat16 || wt == at::kHalf);
 }
 
-void half_prepare_row(const void* x, int64_t k, at::ScalarType dtype, at::ScalarType weight_dtype,
-                      std::vector<float>& buf) {
-  buf.resize(static_cast<size_t>(k));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "half_prepare_row", [&] {
-    const scalar_t* row = static_cast<const scalar_t*>(x);
+void half_prepare_rows(const void* x, int64_t rows, int64_t k, at::ScalarType dtype,
+                       at::ScalarType weight_dtype, std::vector<float>& buf) {
+  buf.resize(static_cast<size_t>(rows * k));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "half_prepare_rows", [&] {
+    const scalar_t* xs = static_cast<const scalar_t*>(x);
     if (weight_dtype == at::kBFloat16)
-      x_in_chunk_order<c10::BFloat16>(row, 1, k, k, buf.data());
+      x_in_chunk_order<c10::BFloat16>(xs, rows, k, k, buf.data());
     else
-      x_in_chunk_order<c10::Half>(row, 1, k, k, buf.data());
+      x_in_chunk_order<c10::Half>(xs, rows, k, k, buf.data());
   });
 }
 
-void half_row_blocks(const float* x, int64_t k, const void* weight, int64_t ldw,
+void half_row_blocks(const float* x, int64_t rows, int64_t k, const void* weight, int64_t ldw,
                      at::ScalarType weight_dtype, const float* bias, int64_t b0, int64_t b1,
-                     void* y, int64_t n, at::ScalarType dtype) {
+                     void* y, int64_t ldy, at::ScalarType dtype) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "half_row_blocks", [&] {
     scalar_t* out = static_cast<scalar_t*>(y);
-    const auto blocks = [&](auto* w) {  // as run() at one row
+    const auto blocks = [&](auto* w) {  // as run()
       for (int64_t b = b0; b < b1; ++b)
-        block(x, 1, k, w + b * kBlockN * ldw, ldw, bias ? bias + b * kBlockN : nullptr,
-              out + b * kBlockN, n);
+        block(x, rows, k, w + b * kBlockN * ldw, ldw, bias ? bias + b * kBlockN : nullptr,
+              out + b * kBlockN, ldy);
     };
     if (weight_dtype == at::kBFloat16)
       blocks(static_cast<const c10::BFloat16*>(weight));

@@ -18,15 +18,15 @@ namespace folio {
 at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight,
                        const c10::optional<at::Tensor>& bias);
 
-// half_linear.cpp, half_linear at one row, a thread's share at a time: whether it takes
-// `weight`; x [k] widened into `buf` as it reads x; the weight's blocks [b0, b1) of 16
-// rows into y[n] (+ bias, float32), rounded to `dtype` as half_linear rounds them.
+// half_linear.cpp, half_linear a thread's share at a time: whether it takes `weight`;
+// x [rows, k] widened into `buf` as it reads x; the weight's blocks [b0, b1) of 16 rows
+// into y [rows, ldy] (+ bias, float32), rounded to `dtype` as half_linear rounds them.
 bool half_linear_takes(const at::Tensor& weight);
-void half_prepare_row(const void* x, int64_t k, at::ScalarType dtype, at::ScalarType weight_dtype,
-                      std::vector<float>& buf);
-void half_row_blocks(const float* x, int64_t k, const void* weight, int64_t ldw,
+void half_prepare_rows(const void* x, int64_t rows, int64_t k, at::ScalarType dtype,
+                       at::ScalarType weight_dtype, std::vector<float>& buf);
+void half_row_blocks(const float* x, int64_t rows, int64_t k, const void* weight, int64_t ldw,
                      at::ScalarType weight_dtype, const float* bias, int64_t b0, int64_t b1,
-                     void* y, int64_t n, at::ScalarType dtype);
+                     void* y, int64_t ldy, at::ScalarType dtype);
 
 // amx_linear.cpp: x @ weight.T (+ bias) on AMX tiles for a bf16 [N, K] contiguous weight.
 at::Tensor amx_linear(const at::Tensor& x, const at::Tensor& weight,
@@ -68,32 +68,37 @@ class TeamAttention {
 // silu_and_mul.cpp: SiLU(gate) * up for gate_up = [gate | up], [rows, 2 * inter].
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 // silu_and_mul.cpp: whether the native kernel takes `dtype` (else torch's ops run), and
-// the kernel on one row of a dtype it takes, in place of tensors.
+// the kernel on contiguous rows of a dtype it takes, in place of tensors.
 bool silu_and_mul_takes(at::ScalarType dtype);
-void silu_and_mul_row(const void* gate_up, void* out, int64_t inter, at::ScalarType dtype);
+void silu_and_mul_rows(const void* gate_up, void* out, int64_t rows, int64_t inter,
+                       at::ScalarType dtype);
 
-// rms_norm.cpp: rms_norm for one row of `dtype` in place of tensors (`residual` and
-// `residual_out` null together: no residual).
-void rms_norm_row(const void* x, const void* residual, const void* weight, void* out,
-                  void* residual_out, int64_t hidden, float eps, at::ScalarType dtype);
+// rms_norm.cpp: rms_norm on contiguous rows of `dtype` in place of tensors (`residual`
+// and `residual_out` null together: no residual; they may be the same rows).
+void rms_norm_rows(const void* x, const void* residual, const void* weight, void* out,
+                   void* residual_out, int64_t rows, int64_t hidden, float eps,
+                   at::ScalarType dtype);
 
 namespace quant {
 struct Activations;  // quant_pack.h
 
-// quant_linear.cpp, quant_linear at one row, a thread's share at a time:
+// quant_linear.cpp, quant_linear on up to row_tile_rows() rows (one tile a row group),
+// a thread's share at a time:
 //  * row_route: the route quant_linear runs for `route` (its codes, 0: the best int8
-//    one) on activations of `dtype` in format `fmt`, or -1 where one row cannot take it
-//    (AMX: tiles of 16 rows; a route not built for this CPU);
-//  * prepare_row: x [k] as that route takes it, into `a` (each thread its own);
-//  * quant_row_groups: the weight's row groups [g0, g1) (16 rows each) from `a`: y[j]
-//    (+ bias[j], float32) in `dtype` for the rows j < n of those groups, the same values
-//    as quant_linear's.
+//    one) on activations of `dtype` in format `fmt`, or -1 where it cannot run so (AMX:
+//    tiles of 16 rows; a route not built for this CPU);
+//  * prepare_rows: x [rows, k] as that route takes it, into `a` (each thread its own);
+//  * quant_row_groups: the weight's row groups [g0, g1) (16 rows each) from `a`:
+//    y[r, j] (+ bias[j], float32, y's rows ldy apart) in `dtype` for the rows j < n of
+//    those groups, the same values as quant_linear's.
 int64_t row_route(int64_t route, int64_t fmt, at::ScalarType dtype);
-void prepare_row(int64_t route, int64_t fmt, const void* x, int64_t k, at::ScalarType dtype,
-                 Activations& a);
-void quant_row_groups(const Activations& a, const uint8_t* qs, const uint8_t* scales,
-                      int64_t fmt, int64_t k, int64_t n, const float* bias, int64_t route,
-                      int64_t g0, int64_t g1, void* y, at::ScalarType dtype);
+int64_t row_tile_rows();
+void prepare_rows(int64_t route, int64_t fmt, const void* x, int64_t rows, int64_t k,
+                  at::ScalarType dtype, Activations& a);
+void quant_row_groups(const Activations& a, int64_t rows, const uint8_t* qs,
+                      const uint8_t* scales, int64_t fmt, int64_t k, int64_t n,
+                      const float* bias, int64_t route, int64_t g0, int64_t g1, void* y,
+                      int64_t ldy, at::ScalarType dtype);
 // quant_linear.cpp: quant_linear's checks of a packed weight for rows of k inputs.
 void check_quant_weight(int64_t k, const at::Tensor& qs, const at::Tensor& scales,
                         int64_t fmt, int64_t n);

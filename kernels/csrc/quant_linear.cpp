@@ -401,48 +401,55 @@ int64_t row_route(int64_t route, int64_t fmt, at::ScalarType dtype) {
   return route == kAmx ? -1 : route;  // (AMX: whole tiles of 16 rows)
 }
 
-void prepare_row(int64_t route, int64_t fmt, const void* x, int64_t k, at::ScalarType dtype,
-                 Activations& a) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "prepare_row", [&] {
-    const scalar_t* row = static_cast<const scalar_t*>(x);
-    const Operands o = prepare(route, fmt, row, k, 1, k, nullptr, nullptr, a);
-    if (route == kWiden && o.xf == static_cast<const void*>(row))  // keep a copy: x changes
-      a.xf.assign(o.xf, o.xf + k);
+void prepare_rows(int64_t route, int64_t fmt, const void* x, int64_t rows, int64_t k,
+                  at::ScalarType dtype, Activations& a) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "prepare_rows", [&] {
+    const scalar_t* xs = static_cast<const scalar_t*>(x);
+    const Operands o = prepare(route, fmt, xs, k, rows, k, nullptr, nullptr, a);
+    if (route == kWiden && o.xf == static_cast<const void*>(xs))  // keep a copy: x changes
+      a.xf.assign(o.xf, o.xf + rows * k);
   });
 }
 
 namespace {
 template <int64_t Fmt, typename O>
-void row_groups(const Operands& o, int64_t n, const float* bias, int64_t route, int64_t g0,
-                int64_t g1, O* y) {
+void row_groups(const Operands& o, int rows, int64_t n, const float* bias, int64_t route,
+                int64_t g0, int64_t g1, O* y, int64_t ldy) {
   alignas(64) float acc[kMR * kGroupRows];
   for (int64_t g = g0; g < g1; ++g) {
-    tile_rows<Fmt>(1, route, o, g, 0, acc, false);
-    // the roundings of run_groups at one row: the tile into a float buffer (+ 0.f),
-    // then (+ bias, or + 0.f) into y
+    tile_rows<Fmt>(rows, route, o, g, 0, acc, false);
+    // the roundings of run_groups at up to kMR rows (one tile a group): the tile into a
+    // float buffer (+ 0.f), then (+ bias, or + 0.f) into y
     const int64_t cols = std::min<int64_t>(kGroupRows, n - g * kGroupRows);
-    for (int64_t j = 0; j < cols; ++j) {
-      const float v = acc[j] + 0.f;
-      y[g * kGroupRows + j] = static_cast<O>(v + (bias ? bias[g * kGroupRows + j] : 0.f));
-    }
+    for (int r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < cols; ++j) {
+        const float v = acc[r * kGroupRows + j] + 0.f;
+        y[r * ldy + g * kGroupRows + j] =
+            static_cast<O>(v + (bias ? bias[g * kGroupRows + j] : 0.f));
+      }
   }
 }
 }  // namespace
 
-void quant_row_groups(const Activations& a, const uint8_t* qs, const uint8_t* scales,
-                      int64_t fmt, int64_t k, int64_t n, const float* bias, int64_t route,
-                      int64_t g0, int64_t g1, void* y, at::ScalarType dtype) {
+void quant_row_groups(const Activations& a, int64_t rows, const uint8_t* qs,
+                      const uint8_t* scales, int64_t fmt, int64_t k, int64_t n,
+                      const float* bias, int64_t route, int64_t g0, int64_t g1, void* y,
+                      int64_t ldy, at::ScalarType dtype) {
+  TORCH_CHECK(rows >= 1 && rows <= kMR, "quant_row_groups: 1 to ", kMR, " rows");
   const Operands o{qs,          scales,          k / kBlock,    &a.xr,
                    a.xf.data(), a.xsum.data(),   a.xp.data(),   &a.x16};
+  const int m = static_cast<int>(rows);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "quant_row_groups", [&] {
     scalar_t* out = static_cast<scalar_t*>(y);
-    if (fmt == kQ4_0) row_groups<kQ4_0>(o, n, bias, route, g0, g1, out);
-    else if (fmt == kQ4_1) row_groups<kQ4_1>(o, n, bias, route, g0, g1, out);
-    else if (fmt == kQ4_K) row_groups<kQ4_K>(o, n, bias, route, g0, g1, out);
-    else if (fmt == kQ6_K) row_groups<kQ6_K>(o, n, bias, route, g0, g1, out);
-    else row_groups<kQ8_0>(o, n, bias, route, g0, g1, out);
+    if (fmt == kQ4_0) row_groups<kQ4_0>(o, m, n, bias, route, g0, g1, out, ldy);
+    else if (fmt == kQ4_1) row_groups<kQ4_1>(o, m, n, bias, route, g0, g1, out, ldy);
+    else if (fmt == kQ4_K) row_groups<kQ4_K>(o, m, n, bias, route, g0, g1, out, ldy);
+    else if (fmt == kQ6_K) row_groups<kQ6_K>(o, m, n, bias, route, g0, g1, out, ldy);
+    else row_groups<kQ8_0>(o, m, n, bias, route, g0, g1, out, ldy);
   });
 }
+
+int64_t row_tile_rows() { return kMR; }
 
 }  // namespace folio::quant
 

@@ -121,13 +121,14 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x_in, const at::Te
   return {out, res_out};
 }
 
-void rms_norm_row(const void* x, const void* residual, const void* weight, void* out,
-                  void* residual_out, int64_t hidden, float eps, at::ScalarType dtype) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "rms_norm_row", [&] {
+void rms_norm_rows(const void* x, const void* residual, const void* weight, void* out,
+                   void* residual_out, int64_t rows, int64_t hidden, float eps,
+                   at::ScalarType dtype) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "rms_norm_rows", [&] {
     norm_rows<scalar_t>(static_cast<const scalar_t*>(x), hidden,
                         static_cast<const scalar_t*>(residual), hidden,
                         static_cast<const scalar_t*>(weight), static_cast<scalar_t*>(out),
-                        static_cast<scalar_t*>(residual_out), 1, hidden, eps);
+                        static_cast<scalar_t*>(residual_out), rows, hidden, eps);
   });
 }
 

@@ -117,10 +117,12 @@ bool silu_and_mul_takes(at::ScalarType dtype) {
   return kHasSleef && (dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat);
 }
 
-void silu_and_mul_row(const void* gate_up, void* out, int64_t inter, at::ScalarType dtype) {
+void silu_and_mul_rows(const void* gate_up, void* out, int64_t rows, int64_t inter,
+                       at::ScalarType dtype) {
   vec::with_element_type(dtype, [&](auto tag) {
     using T = decltype(tag);
-    silu_mul_rows<T>(static_cast<const T*>(gate_up), 2 * inter, static_cast<T*>(out), 1, inter);
+    silu_mul_rows<T>(static_cast<const T*>(gate_up), 2 * inter, static_cast<T*>(out), rows,
+                     inter);
   });
 }
 

@@ -78,11 +78,11 @@ def states(prompts=PROMPTS) -> list[CachedRequestState]:
 
 @torch.inference_mode()
 def decode_both_ways(runner: ModelRunner, sliding_window=None, kv_dtype=None,
-                     prompts=PROMPTS, one_row_stack=None):
+                     prompts=PROMPTS, stack=None):
     """(torch, fused) results of one decode step after a torch prefill: each the final
     hidden states and the KV caches after the step (``kv_dtype``: the cache's, default
-    the activations'). ``one_row_stack``: whether the op must (True) or must not (False)
-    run the step as its one-row stack (decode_layer.cpp), None: either."""
+    the activations'). ``stack``: whether the op must (True) or must not (False)
+    run the step as its row stack (decode_layer.cpp), None: either."""
     model = runner.model
     fused = model.fused_decode
     assert fused is not None
@@ -98,9 +98,9 @@ def decode_both_ways(runner: ModelRunner, sliding_window=None, kv_dtype=None,
     decode = build_input_batch(reqs, [1] * len(reqs), BLOCK, sliding_window,
                                runner.attention_backend)
     assert fused.takes(len(reqs), runner.dtype, caches, decode.attn)
-    if one_row_stack is not None:
-        assert fused.one_row_stack_takes(decode.input_ids.shape[0], runner.dtype, caches) \
-            == one_row_stack
+    if stack is not None:
+        assert fused.stack_takes(decode.input_ids.shape[0], runner.dtype, caches) \
+            == stack
     results = []
     for use_fused in (False, True):
         step_caches = [c.clone() for c in caches]
@@ -140,9 +140,10 @@ INT16_BUILT = cpu_extension.is_available() and 7 in cpu_extension.require().quan
 @pytest.mark.parametrize("fmt", ["q4_1", "q8_0", "q4_1_qwen2", "q4_k_m_llama", "q4_k_m_qwen2"])
 @pytest.mark.parametrize("backend", ["int8", "int16", "widen", "bf16dot"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("prompt", [PROMPTS[0], LONG_PROMPT], ids=["19", "200"])
-def test_one_row_runs_every_layer_in_one_region(models, fmt, backend, dtype, prompt):
-    """At one row with quantized weights the op runs its one-row stack (one parallel
+@pytest.mark.parametrize("prompts", [[PROMPTS[0]], [LONG_PROMPT], PROMPTS],
+                         ids=["1x19", "1x200", "3rows"])
+def test_a_few_rows_run_every_layer_in_one_region(models, fmt, backend, dtype, prompts):
+    """At a few rows with quantized weights the op runs its row stack (one parallel
     region for all layers): the same bits as the torch layers, the qkv bias (qwen2), a
     q/k/v projection in two formats (Q4_K_M: a Q6_K v) and rows whose keys are cut into
     partitions (200) included."""
@@ -150,7 +151,7 @@ def test_one_row_runs_every_layer_in_one_region(models, fmt, backend, dtype, pro
         pytest.skip("the int16 route is built on AVX2 CPUs only")
     # (bf16dot on float32 activations or Q8_0 weights runs the widening route: also taken)
     runner = runner_for(models[fmt], dtype, backend)
-    assert_same(decode_both_ways(runner, prompts=[prompt], one_row_stack=True))
+    assert_same(decode_both_ways(runner, prompts=prompts, stack=True))
 
 
 @pytest.mark.parametrize("fmt", ["f16", "qwen2"])
@@ -159,18 +160,18 @@ def test_one_row_with_16_bit_weights_on_folios_kernel(models, fmt, prompt):
     """bf16 weights on the `kernel` path (half_linear) take the stack too, qkv bias
     (qwen2) included; on torch's GEMM or oneDNN they do not."""
     runner = runner_for(models[fmt], "bfloat16", "kernel", quantization="none")
-    assert_same(decode_both_ways(runner, prompts=[prompt], one_row_stack=True))
+    assert_same(decode_both_ways(runner, prompts=[prompt], stack=True))
     runner = runner_for(models[fmt], "bfloat16", "native", quantization="none")
-    assert_same(decode_both_ways(runner, prompts=[prompt], one_row_stack=False))
+    assert_same(decode_both_ways(runner, prompts=[prompt], stack=False))
 
 
 @pytest.mark.parametrize("kv_dtype", [None, torch.float8_e4m3fn], ids=["same", "e4m3fn"])
 def test_one_row_with_a_window_or_an_fp8_cache(models, kv_dtype):
     runner = runner_for(models["q4_1"], "bfloat16", "int8")
     assert_same(decode_both_ways(runner, kv_dtype=kv_dtype, prompts=[LONG_PROMPT],
-                                 one_row_stack=True))
+                                 stack=True))
     assert_same(decode_both_ways(runner, sliding_window=70, kv_dtype=kv_dtype,
-                                 prompts=[LONG_PROMPT], one_row_stack=True))
+                                 prompts=[LONG_PROMPT], stack=True))
 
 
 def test_one_row_at_more_threads_than_cores(models):
@@ -181,24 +182,26 @@ def test_one_row_at_more_threads_than_cores(models):
     try:
         for threads in (3, 4):
             torch.set_num_threads(threads)
-            assert_same(decode_both_ways(runner, prompts=[LONG_PROMPT], one_row_stack=True))
+            assert_same(decode_both_ways(runner, prompts=[LONG_PROMPT], stack=True))
     finally:
         torch.set_num_threads(before)
 
 
-def test_the_one_row_stack_takes_only_what_it_runs(models):
-    """Two rows, one thread or dequantised weights (the native path) go layer by layer,
-    with the same bits."""
+def test_the_stack_takes_only_what_it_runs(models):
+    """Nine rows (more than a tile), one thread or dequantised weights (the native path)
+    go layer by layer, with the same bits; eight rows take the stack."""
     runner = runner_for(models["q4_1"], "bfloat16", "int8")
-    assert_same(decode_both_ways(runner, prompts=PROMPTS[:2], one_row_stack=False))
+    short = [[(5 * i + j) % 60 + 1 for j in range(3 + i)] for i in range(9)]  # a block each
+    assert_same(decode_both_ways(runner, prompts=short, stack=False))
+    assert_same(decode_both_ways(runner, prompts=short[:8], stack=True))
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert_same(decode_both_ways(runner, prompts=[PROMPTS[0]], one_row_stack=False))
+        assert_same(decode_both_ways(runner, prompts=[PROMPTS[0]], stack=False))
     finally:
         torch.set_num_threads(before)
     assert_same(decode_both_ways(runner_for(models["q4_1"], "bfloat16", "native"),
-                                 prompts=[PROMPTS[0]], one_row_stack=False))
+                                 prompts=[PROMPTS[0]], stack=False))
 
 
 def skip_unless_runs(backend):

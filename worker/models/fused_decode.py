@@ -16,10 +16,10 @@ blocks, 16-bit weights read once, paged attention), which inductor can only call
 opaque ops, so it would fuse only the cheap elementwise ops between them, after a
 compile of minutes per batch shape on a 2-core machine.
 
-At one row with quantized weights the op runs all layers in one parallel region (its
-one-row stack, ``one_row_stack_takes``), which saved the per-op parallel regions and
-serial preparation that had idled the second thread (1.21-1.25x on the default model's
-batch-1 step).
+At a few rows (up to 8) with quantized weights, or 16-bit ones on Folio's kernel, the
+op runs all layers in one parallel region (its row stack, ``stack_takes``), which saved
+the per-op parallel regions and serial preparation that had idled the second thread
+(1.21-1.25x on the default model's batch-1 step).
 
 A step takes the fused path when every row is a decode on the native CPU attention
 kernel, with no LoRA, no tensor parallelism, no deterministic mode (whose padded
@@ -154,14 +154,14 @@ class FusedDecode:
             self._prepacked[key] = packed
         return metas
 
-    def one_row_stack_takes(self, rows: int, dtype: torch.dtype,
-                            kv_caches: list[torch.Tensor]) -> bool:
+    def stack_takes(self, rows: int, dtype: torch.dtype, kv_caches: list[torch.Tensor]) -> bool:
         """Whether a step of ``rows`` decode rows runs all layers in one parallel region
-        (``decode_layer.cpp``'s one-row stack: one row, two threads or more, every linear
-        layer quantized on the int8 route) rather than layer by layer."""
+        (``decode_layer.cpp``'s row stack: 1 to 8 rows, two threads or more, every linear
+        layer quantized on a route that takes a tile of rows alone, or 16-bit on Folio's
+        kernel) rather than layer by layer."""
         hidden_size = self.model.layers[0].input_layernorm.weight.shape[0]
         half = self.head_shape[2] // 2
-        return self.ops.decode_layers_one_row_takes(
+        return self.ops.decode_layers_stack_takes(
             torch.zeros(rows, hidden_size, dtype=dtype), self.weights, self._meta(rows, dtype),
             kv_caches, torch.zeros(rows, dtype=torch.int64), torch.zeros(rows, half, dtype=dtype),
             torch.zeros(rows, half, dtype=dtype))
