@@ -381,7 +381,6 @@ std::optional<std::vector<RowLayer>> row_layers(
     const OptTensor* wi = w.data() + i * kNumSlots;
     const int64_t* mi = meta.data() + i * kNumMeta;
     const int64_t* lm = mi + kLinearMeta;
-    check(hidden, wi, mi, kv_caches[i], slot_mapping, cos, sin);  // decode_layer's checks
     // one head shape, MLP width and cache layout for all (the stack plans attention once)
     if (kv_caches[i].sizes() != kv_caches[0].sizes() ||
         kv_caches[i].scalar_type() != kv_caches[0].scalar_type() ||
@@ -399,6 +398,7 @@ std::optional<std::vector<RowLayer>> row_layers(
                     : path != kKernel || !half_linear_takes(*wi[kSlot[l]]))
         return std::nullopt;
     }
+    check(hidden, wi, mi, kv_caches[i], slot_mapping, cos, sin);  // decode_layer's checks
     const int64_t heads = mi[kHeads], kv_heads = mi[kKvHeads], hd = mi[kHeadDim];
     const int64_t hidden_size = hidden.size(1);
     const int64_t inter = lm[8] / 2;
@@ -411,7 +411,7 @@ std::optional<std::vector<RowLayer>> row_layers(
       lin.k = k;
       lin.bias = bias;
       const at::Tensor& weight = *wi[slot];
-      if (m[0] == kKernel && !has(wi[slot + 1])) {  // (row_layers' caller: half_linear_takes)
+      if (m[0] == kKernel && !has(wi[slot + 1])) {  // (the loop above: half_linear_takes)
         TORCH_CHECK(weight.size(0) == lin.n && weight.size(1) == k,
                     "decode_layer: a weight's shape does not match the model's");
         lin.half = weight.const_data_ptr();

@@ -42,26 +42,31 @@ enum Route : int64_t {
   kInt16 = 7
 };
 
-std::vector<int64_t> built_routes() {
-  std::vector<int64_t> routes;
+// The routes built for this CPU, best int8 route first; fixed for the process (AMX's
+// permission is asked once), so listed once: the row stack asks per layer a step.
+const std::vector<int64_t>& built_routes() {
+  static const std::vector<int64_t> built = [] {
+    std::vector<int64_t> routes;
 #ifdef FOLIO_QUANT_VNNI512
-  routes.push_back(kVnni512);
+    routes.push_back(kVnni512);
 #endif
 #ifdef FOLIO_QUANT_AVX2
-  routes.push_back(kAvx2);
+    routes.push_back(kAvx2);
 #endif
-  routes.push_back(kScalar);
-  routes.push_back(kWiden);
+    routes.push_back(kScalar);
+    routes.push_back(kWiden);
 #ifdef FOLIO_QUANT_AVX2
-  routes.push_back(kInt16);
+    routes.push_back(kInt16);
 #endif
 #ifdef FOLIO_QUANT_BF16DOT
-  routes.push_back(kBf16Dot);
+    routes.push_back(kBf16Dot);
 #endif
 #ifdef FOLIO_QUANT_AMX
-  if (amx_permitted()) routes.push_back(kAmx);
+    if (amx_permitted()) routes.push_back(kAmx);
 #endif
-  return routes;
+    return routes;
+  }();
+  return built;
 }
 
 // Everything a tile needs besides its group and first row.
@@ -237,7 +242,7 @@ void check_weight(int64_t K, const at::Tensor& qs, const at::Tensor& scales, int
   TORCH_CHECK(K == qs.size(1) * kBlock, "quant_linear: x is [M, K], K = 32 * blocks");
   TORCH_CHECK(n > (qs.size(0) - 1) * kGroupRows && n <= qs.size(0) * kGroupRows,
               "quant_linear: n does not match the number of row groups");
-  const auto routes = built_routes();
+  const auto& routes = built_routes();
   TORCH_CHECK(route == kBestInt8 || std::find(routes.begin(), routes.end(), route) != routes.end(),
               "quant_linear: route ", route, " is not built for this CPU");
 }
@@ -394,7 +399,7 @@ void check_quant_weight(int64_t k, const at::Tensor& qs, const at::Tensor& scale
 }
 
 int64_t row_route(int64_t route, int64_t fmt, at::ScalarType dtype) {
-  const auto routes = built_routes();
+  const auto& routes = built_routes();
   if (route != kBestInt8 && std::find(routes.begin(), routes.end(), route) == routes.end())
     return -1;
   route = resolve_route(route, fmt, dtype);
