@@ -185,8 +185,8 @@ inline void tile_vnni512(const uint8_t* qs, const uint8_t* sc, int64_t B,
   const int64_t K = B * kBlock;
   // A 4-bit format's high nibbles can stay in place (16 q): their chain's sum is then
   // 16x, shifted back once per row and block, exactly (a multiple of 16, far inside
-  // int32). That trades the block's 4 shifts for MR: a gain at a few rows (Q4_1 and
-  // Q4_K one row, weights in L2: 3-6%), not at 8.
+  // int32). That trades the block's 4 shifts for MR of them: a gain at a few rows
+  // (Q4_0, Q4_1 and Q4_K at one row, weights in L2: 2-6%), not at 8.
   constexpr bool high_in_place = is_q4(Fmt) && !split_halves(Fmt) && MR <= 4;
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
