@@ -167,7 +167,7 @@ class CacheConfig:
 
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-PREFILL_ATTENTIONS = ("sdpa", "amx")
+PREFILL_ATTENTIONS = ("sdpa", "native", "amx")  # amx: native's older name
 LINEAR_BACKENDS = ("auto", "native", "kernel", "widen", "int8", "int16", "bf16dot", "amx",
                    "mkldnn")
 
@@ -184,10 +184,12 @@ class WorkerConfig:
                                 "TRITON_INTERPRET=1, for tests)")
     prefill_attention: str = _f("sdpa", "CPU, native attention backend: sdpa (torch's own "
                                 "attention for prompt segments, the numerics of HF's bf16 "
-                                "path) or amx (bf16 prompts whose keys are all this step's "
-                                "through kernels/csrc/prefill_attention.cpp on AMX tiles: "
-                                "1.4-5.9x faster here, closer to float32; where AMX is absent "
-                                "sdpa runs). README: 'AMX prefill attention'")
+                                "path) or native (bf16 prompts whose keys are all this step's "
+                                "through kernels/csrc/prefill_attention.cpp, on AMX tiles "
+                                "where the CPU has them, else AVX512-BF16 dot products: "
+                                "1.4-5.9x faster on AMX, closer to float32; without "
+                                "AVX512-BF16 sdpa runs; amx: the older name of native). "
+                                "README: 'AMX prefill attention'")
     enforce_eager: bool = _f(False, "CUDA: run every step eagerly; false captures decode "
                              "steps as CUDA graphs over a ladder of batch sizes (1, 2, 4, 8, "
                              "16, 32, ... up to scheduler.max_num_seqs, at most 512)")

@@ -13,7 +13,7 @@ from kernels import cpu_extension
 from kernels.cpu_extension import DISABLE_ENV, is_available, unavailable_reason
 
 __all__ = ["DISABLE_ENV", "is_available", "paged_attention_decode", "prefill_attention",
-           "prefill_attention_available", "unavailable_reason"]
+           "prefill_attention_available", "prefill_attention_on_tiles", "unavailable_reason"]
 
 _prefill_available: bool | None = None
 
@@ -49,13 +49,20 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor,
 
 
 def prefill_attention_available() -> bool:
-    """Whether the AMX prefill kernel runs here: the extension built with AMX-BF16 and
-    AVX512-BF16, and the kernel granted the tile state (asked once per process)."""
+    """Whether the prefill kernel runs here: the extension built with AVX512-BF16 (on AMX
+    tiles where :func:`prefill_attention_on_tiles`, else on AVX512-BF16 dot products)."""
     global _prefill_available
     if _prefill_available is None:
         _prefill_available = is_available() and bool(
             cpu_extension.require().prefill_attention_available())
     return _prefill_available
+
+
+def prefill_attention_on_tiles() -> bool:
+    """Whether the prefill kernel runs on AMX tiles (built with AMX-BF16, and the kernel
+    granted the process the tile state, asked once)."""
+    return prefill_attention_available() and bool(
+        cpu_extension.require().prefill_attention_on_tiles())
 
 
 def prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

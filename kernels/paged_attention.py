@@ -53,10 +53,10 @@ class RaggedAttentionMetadata:
 
 
 @dataclass(slots=True)
-class AmxPrefills:
-    """A step's prefill segments split for the AMX kernel, once per step: the fresh ones
-    (keys all this step's, plain causal) as its int64 starts and lengths, the rest for
-    SDPA."""
+class FreshPrefills:
+    """A step's prefill segments split for the native prefill kernel, once per step: the
+    fresh ones (keys all this step's, plain causal) as its int64 starts and lengths, the
+    rest for SDPA."""
 
     starts: torch.Tensor  # [fresh segments] int64
     lens: torch.Tensor
@@ -69,7 +69,7 @@ class PagedAttentionPlan:
 
     Decodes run either the native kernel (block tables read in place) or the torch
     reference (padded gather indices and mask); prefill segments run SDPA, except that
-    with ``amx`` the fresh ones run the AMX prefill kernel.
+    with ``fresh`` the fresh ones run the native prefill kernel.
     """
 
     num_decodes: int
@@ -81,7 +81,7 @@ class PagedAttentionPlan:
     sliding_window: int | None = None
     ragged: RaggedAttentionMetadata | None = None  # Triton: everything runs in one kernel
     native: bool = False  # the native CPU kernels run this step's attention
-    amx: AmxPrefills | None = None  # native, amx_prefill: the fresh segments, the rest
+    fresh: FreshPrefills | None = None  # native, native_prefill: the fresh segments, the rest
     batch_invariant: bool = False  # native: rows' results may not depend on the batch
 
     def to(self, device: torch.device) -> "PagedAttentionPlan":
@@ -93,7 +93,7 @@ class PagedAttentionPlan:
         return PagedAttentionPlan(self.num_decodes, move(self.decode_slots),
                                   move(self.decode_mask), prefills,
                                   move(self.decode_block_tables), move(self.decode_seq_lens),
-                                  self.sliding_window, self.ragged, self.native, self.amx,
+                                  self.sliding_window, self.ragged, self.native, self.fresh,
                                   self.batch_invariant)
 
 
@@ -105,13 +105,13 @@ def _positions_to_slots(block_table: torch.Tensor, positions: torch.Tensor,
 
 def make_plan(query_start_loc: list[int], seq_lens: list[int], block_tables: torch.Tensor,
               block_size: int, sliding_window: int | None = None,
-              use_native_decode: bool = False, amx_prefill: bool = False,
+              use_native_decode: bool = False, native_prefill: bool = False,
               batch_invariant: bool = False) -> PagedAttentionPlan:
     """Derive the step's plan for a batch ordered decodes first.
 
     ``use_native_decode`` hands decodes to the native CPU kernel, and with
-    ``amx_prefill`` (worker.prefill_attention: amx) fresh prompt segments to the AMX one
-    (see kernels/cpu_paged_attention.py); the caller checks that they are available and
+    ``native_prefill`` (worker.prefill_attention: native) fresh prompt segments to the
+    native one (see kernels/cpu_paged_attention.py); the caller checks that they are available and
     that the kernel's contract holds (bf16, head_dim 64 or 128). ``batch_invariant``
     (deterministic mode) keeps the native kernel's work split from depending on the batch.
     """
@@ -150,18 +150,18 @@ def make_plan(query_start_loc: list[int], seq_lens: list[int], block_tables: tor
             if sliding_window is not None:
                 mask &= k_pos > q_pos - sliding_window
         prefills.append(PrefillSegment(start, end, seq_len, key_slots, mask))
-    amx = None
-    if use_native_decode and amx_prefill:
-        fresh, rest = [], []  # keys all this step's and plain causal, or not
+    fresh = None
+    if use_native_decode and native_prefill:
+        own, rest = [], []  # keys all this step's and plain causal, or not
         for p in prefills:
-            (fresh if p.key_slots is None and p.mask is None else rest).append(p)
-        if fresh:
-            amx = AmxPrefills(torch.tensor([p.start for p in fresh], dtype=torch.int64),
-                              torch.tensor([p.end - p.start for p in fresh], dtype=torch.int64),
-                              rest)
+            (own if p.key_slots is None and p.mask is None else rest).append(p)
+        if own:
+            fresh = FreshPrefills(torch.tensor([p.start for p in own], dtype=torch.int64),
+                                  torch.tensor([p.end - p.start for p in own], dtype=torch.int64),
+                                  rest)
     return PagedAttentionPlan(num_decodes, decode_slots, decode_mask, prefills,
                               decode_tables, decode_lens, sliding_window,
-                              native=use_native_decode, amx=amx,
+                              native=use_native_decode, fresh=fresh,
                               batch_invariant=batch_invariant)
 
 
@@ -304,12 +304,12 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 def _native_prefills_into(out, query, key, value, kv_cache, plan, scale) -> torch.Tensor:
-    """The prefill segments on the CPU: with ``plan.amx``, the fresh ones through the AMX
+    """The prefill segments on the CPU: with ``plan.fresh``, the fresh ones through the native
     kernel in one call and the rest (continued prompts, masks) through SDPA."""
     head_dim = query.shape[-1]
-    if plan.amx is None or any(t.stride(1) != head_dim or t.stride(2) != 1
+    if plan.fresh is None or any(t.stride(1) != head_dim or t.stride(2) != 1
                                for t in (query, key, value)):
         return _prefills_into(out, query, key, value, kv_cache, plan, scale)
     from kernels import cpu_paged_attention as native
-    native.prefill_attention(query, key, value, plan.amx.starts, plan.amx.lens, scale, out)
-    return _prefills_into(out, query, key, value, kv_cache, plan, scale, plan.amx.rest)
+    native.prefill_attention(query, key, value, plan.fresh.starts, plan.fresh.lens, scale, out)
+    return _prefills_into(out, query, key, value, kv_cache, plan, scale, plan.fresh.rest)

@@ -38,7 +38,7 @@ class AttentionBackend:
     num_kv_heads: int = 0  # triton: the split-KV heuristic counts programs per KV head
     num_sms: int | None = None  # triton on CUDA: multiprocessors; None never splits KV
     per_token_rows: bool = False  # native-cpu, deterministic mode: one decode row a token
-    amx_prefill: bool = False  # native-cpu: fresh bf16 prompt segments on the AMX kernel
+    native_prefill: bool = False  # native-cpu: fresh bf16 prompt segments on Folio's kernel
 
     @property
     def is_triton(self) -> bool:

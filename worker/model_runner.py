@@ -132,7 +132,7 @@ class ModelRunner:
         log.debug("attention backend", backend=name, device=str(self.device),
                   deterministic=self.worker_config.deterministic, **extra)
         backend = make_attention_backend(name, self.device, self.model.shard.num_kv_heads)
-        if self.worker_config.prefill_attention == "amx":
+        if self.worker_config.prefill_attention in ("native", "amx"):
             # the kernel's contract, settled once: bf16 activations and cache, head_dim
             # 64 or 128, no sliding window (whose prompts carry masks anyway)
             unmet = [why for why, ok in (
@@ -141,13 +141,15 @@ class ModelRunner:
                  self.dtype == torch.bfloat16 and self.kv_cache_dtype == torch.bfloat16),
                 ("head_dim 64 or 128", self.arch.head_dim in (64, 128)),
                 ("no sliding window", self.arch.sliding_window is None),
-                ("AMX-BF16 and AVX512-BF16", name == NATIVE_CPU
+                ("AVX512-BF16", name == NATIVE_CPU
                  and cpu_paged_attention.prefill_attention_available())) if not ok]
             if unmet:
-                log.warning("worker.prefill_attention=amx needs " + ", ".join(unmet)
-                            + ": prompts take sdpa")
+                log.warning(f"worker.prefill_attention={self.worker_config.prefill_attention} "
+                            "needs " + ", ".join(unmet) + ": prompts take sdpa")
             else:
-                backend = replace(backend, amx_prefill=True)
+                backend = replace(backend, native_prefill=True)
+                log.debug("prefill attention", kernel="native",
+                          on_tiles=cpu_paged_attention.prefill_attention_on_tiles())
         if self.worker_config.deterministic:
             backend = make_deterministic(self.model, backend)
         return backend

@@ -1,4 +1,6 @@
-// Causal attention of a step's prompt segments on AMX tiles (bf16).
+// Causal attention of a step's prompt segments in bf16: on AMX tiles where the CPU has
+// them, else the same products as AVX512-BF16 dot products (scores_dot,
+// weighted_values_dot below).
 //
 // A segment is a request whose keys are all this step's own tokens (a prompt, or its
 // first chunk): query i of the segment sees keys 0..i of the same segment. q [T, H, hd],
@@ -50,7 +52,7 @@
 namespace folio {
 namespace {
 
-#if defined(FOLIO_AMX) && defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define FOLIO_PREFILL_ATTENTION 1
 
 constexpr int64_t kTile = 16;   // tokens per A tile, keys per S tile, dims per O tile
@@ -118,6 +120,7 @@ struct Shape {
   int64_t heads, kv_heads, group, q_stride, k_stride, v_stride, out_stride;
 };
 
+#if defined(FOLIO_AMX)
 // Rows [0, 16) of S: tokens i0.. of head `h` (A tiles from `qa`, `qa_stride` bytes apart)
 // against the keys' tiles 0..ctiles-1. Tiles: C tmm0/tmm1, Q tmm2/tmm3 (dims 0-63; for
 // hd 128 dims 64-127 in tmm6/tmm7), K tmm4/tmm5.
@@ -157,6 +160,7 @@ void scores(const char* qa, int64_t qa_stride, const uint32_t* kt, int64_t ctile
     if (two) _tile_stored(1, s + (c + 1) * kTile, s_stride * 4);
   }
 }
+#endif
 
 // Row r (token i0 + r, keys 0..i0 + r visible): p and l from its scores.
 inline void softmax_row(const float* s, int64_t visible, int64_t width, float scale,
@@ -191,6 +195,7 @@ inline void softmax_row(const float* s, int64_t visible, int64_t width, float sc
   l = _mm512_reduce_add_ps(sum);
 }
 
+#if defined(FOLIO_AMX)
 // O [16][HD] = P [16][blocks * 32] V, dims 64 at a time in four C tiles (tmm0-3), A tmm4,
 // B tmm5.
 template <int64_t HD>
@@ -224,8 +229,72 @@ void weighted_values(const uint16_t* p, const uint16_t* p_lo, int64_t p_stride,
     _tile_stored(3, o + n0 + 48, HD * 4);
   }
 }
+#endif
 
+// The same two products on AVX512-BF16 alone (CPUs without AMX: `vdpbf16ps` on the same
+// kt / vt layouts, one key pair or dimension pair per instruction and lane). Products
+// are exact and sums float32, as on tiles; the order of the sums is this loop's.
+
+// S as scores(): per 16-key tile, lane j of row r sums q_r's pairs against key j's,
+// eight rows at once (eight independent chains, each kt row loaded once for them).
 template <int64_t HD>
+void scores_dot(const char* qa, int64_t qa_stride, const uint32_t* kt, int64_t ctiles,
+                float* s, int64_t s_stride) {
+  constexpr int64_t kPairs = HD / 2, kRows = 8;
+  for (int64_t c = 0; c < ctiles; ++c) {
+    const uint32_t* kc = kt + c * kPairs * kTile;  // [pairs][16 keys]
+    for (int64_t r0 = 0; r0 < kTile; r0 += kRows) {
+      __m512 acc[kRows];
+      for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < kPairs; ++i) {
+        const __m512bh keys = (__m512bh)_mm512_loadu_si512(kc + i * kTile);
+        for (int r = 0; r < kRows; ++r) {
+          uint32_t pair;
+          std::memcpy(&pair, qa + (r0 + r) * qa_stride + 4 * i, sizeof pair);
+          acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)),
+                                    keys);
+        }
+      }
+      for (int r = 0; r < kRows; ++r)
+        _mm512_storeu_ps(s + (r0 + r) * s_stride + c * kTile, acc[r]);
+    }
+  }
+}
+
+// O as weighted_values(): per key pair, lane j of dimension vector d gains p_r's pair
+// (hi, then lo) times the pair's values at dimension 16 d + j; a few rows at once, all
+// their dimensions in registers.
+template <int64_t HD>
+void weighted_values_dot(const uint16_t* p, const uint16_t* p_lo, int64_t p_stride,
+                         const uint16_t* vt, int64_t blocks, float* o) {
+  constexpr int kVecs = HD / 16, kRows = HD == 64 ? 4 : 2;
+  const int64_t pairs = blocks * (kBlock / 2);
+  for (int64_t r0 = 0; r0 < kTile; r0 += kRows) {
+    __m512 acc[kRows][kVecs];
+    for (int r = 0; r < kRows; ++r)
+      for (int d = 0; d < kVecs; ++d) acc[r][d] = _mm512_setzero_ps();
+    for (int64_t q = 0; q < pairs; ++q) {
+      const uint16_t* row = vt + q * HD * 2;  // (v_2q[n], v_2q+1[n]) for every n
+      __m512bh vals[kVecs];
+      for (int d = 0; d < kVecs; ++d) vals[d] = (__m512bh)_mm512_loadu_si512(row + 32 * d);
+      for (int r = 0; r < kRows; ++r) {
+        uint32_t hi, lo;
+        std::memcpy(&hi, p + (r0 + r) * p_stride + 2 * q, sizeof hi);
+        std::memcpy(&lo, p_lo + (r0 + r) * p_stride + 2 * q, sizeof lo);
+        const __m512bh h = (__m512bh)_mm512_set1_epi32(static_cast<int>(hi));
+        const __m512bh l = (__m512bh)_mm512_set1_epi32(static_cast<int>(lo));
+        for (int d = 0; d < kVecs; ++d) {
+          acc[r][d] = _mm512_dpbf16_ps(acc[r][d], h, vals[d]);
+          acc[r][d] = _mm512_dpbf16_ps(acc[r][d], l, vals[d]);
+        }
+      }
+    }
+    for (int r = 0; r < kRows; ++r)
+      for (int d = 0; d < kVecs; ++d) _mm512_storeu_ps(o + (r0 + r) * HD + 16 * d, acc[r][d]);
+  }
+}
+
+template <int64_t HD, bool kAmx>
 void attend_block(const Shape& sh, const c10::BFloat16* q, const uint32_t* kt,
                   const uint16_t* vt, int64_t seg_start, int64_t len, int64_t h, int64_t i0,
                   float scale, c10::BFloat16* out, Work& w) {
@@ -242,7 +311,11 @@ void attend_block(const Shape& sh, const c10::BFloat16* q, const uint32_t* kt,
     qa = reinterpret_cast<const char*>(w.q.data());
     qa_stride = HD * 2;
   }
-  scores<HD>(qa, qa_stride, kt, round_up(keys, kTile) / kTile, w.s.data(), width);
+#if defined(FOLIO_AMX)
+  if constexpr (kAmx) scores<HD>(qa, qa_stride, kt, round_up(keys, kTile) / kTile, w.s.data(), width);
+  else
+#endif
+    scores_dot<HD>(qa, qa_stride, kt, round_up(keys, kTile) / kTile, w.s.data(), width);
   for (int64_t r = 0; r < kTile; ++r) {
     uint16_t* pr = w.p.data() + r * width;
     uint16_t* lo = w.p_lo.data() + r * width;
@@ -253,7 +326,11 @@ void attend_block(const Shape& sh, const c10::BFloat16* q, const uint32_t* kt,
       std::memset(lo, 0, width * 2);
     }
   }
-  weighted_values<HD>(w.p.data(), w.p_lo.data(), width, vt, width / kBlock, w.o.data());
+#if defined(FOLIO_AMX)
+  if constexpr (kAmx) weighted_values<HD>(w.p.data(), w.p_lo.data(), width, vt, width / kBlock, w.o.data());
+  else
+#endif
+    weighted_values_dot<HD>(w.p.data(), w.p_lo.data(), width, vt, width / kBlock, w.o.data());
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 inv = _mm512_set1_ps(1.f / w.l[r]);  // key 0 is always visible: l > 0
     c10::BFloat16* o = out + (seg_start + i0 + r) * sh.out_stride + h * HD;
@@ -265,7 +342,7 @@ void attend_block(const Shape& sh, const c10::BFloat16* q, const uint32_t* kt,
   }
 }
 
-template <int64_t HD>
+template <int64_t HD, bool kAmx>
 void run(const Shape& sh, const c10::BFloat16* q, const c10::BFloat16* k,
          const c10::BFloat16* v, const int64_t* starts, const int64_t* lens, int64_t count,
          float scale, c10::BFloat16* out) {
@@ -303,12 +380,14 @@ void run(const Shape& sh, const c10::BFloat16* q, const c10::BFloat16* k,
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), num_items);
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    configure_full_tiles();
+#if defined(FOLIO_AMX)
+    if constexpr (kAmx) configure_full_tiles();
+#endif
     Work w(max_len, HD);
     for (int64_t it = next.fetch_add(1); it < num_items; it = next.fetch_add(1)) {
       const Item& x = items[it];
       const int64_t kvh = x.h / sh.group;
-      attend_block<HD>(sh, q, kt_of(x.s, kvh), vt_of(x.s, kvh), starts[x.s], lens[x.s], x.h,
+      attend_block<HD, kAmx>(sh, q, kt_of(x.s, kvh), vt_of(x.s, kvh), starts[x.s], lens[x.s], x.h,
                        x.i0, scale, out, w);
     }
   });
@@ -317,9 +396,18 @@ void run(const Shape& sh, const c10::BFloat16* q, const c10::BFloat16* k,
 
 }  // namespace
 
+// Where the kernel runs on tiles: AMX built in and the tile state granted.
+bool prefill_attention_on_tiles() {
+#if defined(FOLIO_PREFILL_ATTENTION) && defined(FOLIO_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 bool prefill_attention_available() {
 #ifdef FOLIO_PREFILL_ATTENTION
-  return amx_permitted();
+  return true;
 #else
   return false;
 #endif
@@ -329,7 +417,7 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& key, const at:
                        const at::Tensor& seg_starts, const at::Tensor& seg_lens, double scale,
                        at::Tensor& out) {
   TORCH_CHECK(prefill_attention_available(),
-              "prefill_attention: needs AMX-BF16 (and the tile state) and AVX512-BF16");
+              "prefill_attention: needs AVX512-BF16");
 #ifdef FOLIO_PREFILL_ATTENTION
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
                   value.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16,
@@ -362,10 +450,16 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& key, const at:
   const auto* k = key.const_data_ptr<c10::BFloat16>();
   const auto* v = value.const_data_ptr<c10::BFloat16>();
   auto* o = out.data_ptr<c10::BFloat16>();
-  if (hd == 64) {
-    run<64>(sh, q, k, v, starts, lens, count, static_cast<float>(scale), o);
+  const float sc = static_cast<float>(scale);
+  if (prefill_attention_on_tiles()) {
+#if defined(FOLIO_AMX)
+    if (hd == 64) run<64, true>(sh, q, k, v, starts, lens, count, sc, o);
+    else run<128, true>(sh, q, k, v, starts, lens, count, sc, o);
+#endif
+  } else if (hd == 64) {
+    run<64, false>(sh, q, k, v, starts, lens, count, sc, o);
   } else {
-    run<128>(sh, q, k, v, starts, lens, count, static_cast<float>(scale), o);
+    run<128, false>(sh, q, k, v, starts, lens, count, sc, o);
   }
 #endif
 }
@@ -374,6 +468,7 @@ void prefill_attention(const at::Tensor& query, const at::Tensor& key, const at:
 
 TORCH_LIBRARY_FRAGMENT(folio, m) {
   m.def("prefill_attention_available() -> bool", &folio::prefill_attention_available);
+  m.def("prefill_attention_on_tiles() -> bool", &folio::prefill_attention_on_tiles);
   m.def(
       "prefill_attention(Tensor query, Tensor key, Tensor value, Tensor seg_starts, "
       "Tensor seg_lens, float scale, Tensor(a!) out) -> ()");
