@@ -173,4 +173,3 @@ def test_worker_config_turns_it_on():
                                                                      use_tqdm=False)]
         del llm
     assert all(len(t) == 4 for t in runs["native"])
-    assert runs["amx"] == runs["native"]
