@@ -17,7 +17,7 @@ from tests.services.serve_process import ServeProcess, write_config
 from tests.services.test_serve_e2e import MODEL
 from services.transport import Endpoint
 
-LONG = dict(model=MODEL, max_tokens=180, temperature=0, extra_body={"ignore_eos": True})
+LONG = dict(model=MODEL, max_tokens=200, temperature=0, extra_body={"ignore_eos": True})
 
 
 @pytest.fixture(scope="module")
@@ -200,14 +200,20 @@ def test_metrics_move_by_the_right_amounts(stack):
 def test_preemption_shows_in_traces_metrics_and_logs(stack, receiver):
     before = scrape(stack.url)
 
+    # Each request grows to 16 blocks (46 prompt tokens + 200), so any three running at
+    # once overflow the 39 usable blocks; eight of them still overlap when a loaded
+    # machine spreads their arrivals out (with four of 12 blocks, which needed all four
+    # at once, one CI run saw no preemption).
+    prompt = "Once upon a time there was a story about " + "a very long road and " * 7
+
     async def crowd():
         c = client(stack.url)
-        return await asyncio.gather(*(c.completions.create(prompt=f"Story {i}:", **LONG)
-                                      for i in range(4)))
+        return await asyncio.gather(*(c.completions.create(prompt=f"{prompt}{i}", **LONG)
+                                      for i in range(8)))
     replies = asyncio.run(crowd())
     after = scrape(stack.url)
     num_preemptions = delta(after, before, "folio:num_preemptions_total")
-    assert num_preemptions > 0  # 4 x ~12 blocks do not fit in 39
+    assert num_preemptions > 0
     ids = {r.id for r in replies}
     spans = receiver.wait_for(lambda sp: any(
         "preempted" in s.events for s in sp if s.name == "engine.request"))
