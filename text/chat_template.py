@@ -91,10 +91,11 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
         if name is not None and not (isinstance(name, str) and _IDENTIFIER.fullmatch(name)):
             raise ChatTemplateError(f"messages[{index}].name must be 1-64 letters, digits, "
                                     f"'_' or '-'")
-        if "content" not in message:
+        content = message.get("content")
+        calls_tools = role == "assistant" and bool(message.get("tool_calls"))
+        if "content" not in message and not calls_tools:
             raise ChatTemplateError(f"messages[{index}] has no 'content'")
-        content = message["content"]
-        if content is None and not (role == "assistant" and message.get("tool_calls")):
+        if content is None and not calls_tools:
             raise ChatTemplateError(f"messages[{index}].content is null; only an assistant "
                                     f"message with tool_calls may omit its content")
         copy = dict(message)

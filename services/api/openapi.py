@@ -121,9 +121,13 @@ def _schemas(lim: ValidationLimits) -> dict[str, Any]:
     choice = {"type": "object", "required": ["index", "finish_reason"]}
     part = {"type": "object", "required": ["type", "text"], "properties": {
         "type": {"const": "text"}, "text": {"type": "string"}}}
-    message = {"type": "object", "required": ["role", "content"], "properties": {
+    # content may be null or left out only by an assistant message that calls tools
+    message = {"type": "object", "required": ["role"], "properties": {
         "role": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}}}
+        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part},
+                              {"type": "null"}]},
+        "tool_calls": {"type": "array"}},
+        "anyOf": [{"required": ["content"]}, {"required": ["tool_calls"]}]}
     ids = {"type": "array", "minItems": 1, "items": _token_id(lim)}
     return {
         "Error": {"type": "object", "required": ["error"], "properties": {"error": {

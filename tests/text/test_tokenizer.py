@@ -193,6 +193,9 @@ def test_chat_template_accepts_text_parts(smollm_tokenizer):
     (["hello"], r"messages\[0\] must be an object"),
     ([{"content": "x"}], r"messages\[0\].role"),
     ([{"role": "user"}], "has no 'content'"),
+    ([{"role": "assistant"}], "has no 'content'"),
+    ([{"role": "assistant", "tool_calls": []}], "has no 'content'"),
+    ([{"role": "user", "tool_calls": [{"id": "c"}]}], "has no 'content'"),
     ([{"role": "user", "content": 3}], "string or a list"),
     ([{"role": "user", "content": None}], "null"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}], "text parts"),
@@ -200,6 +203,19 @@ def test_chat_template_accepts_text_parts(smollm_tokenizer):
 def test_malformed_messages_are_refused(smollm_tokenizer, messages, message):
     with pytest.raises(ChatTemplateError, match=message):
         smollm_tokenizer.apply_chat_template(messages)
+
+
+def test_assistant_tool_calls_may_omit_content(smollm_tokenizer):
+    # what a client that drops None fields sends back in an agent loop (OpenAI accepts it)
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "calc", "arguments": '{"x": "2+2"}'}}
+    turns = [{"role": "user", "content": "What is 2+2?"}, None,
+             {"role": "tool", "tool_call_id": "call_1", "content": "4"}]
+    omitted = smollm_tokenizer.apply_chat_template(
+        [turns[0], {"role": "assistant", "tool_calls": [call]}, turns[2]])
+    null = smollm_tokenizer.apply_chat_template(
+        [turns[0], {"role": "assistant", "content": None, "tool_calls": [call]}, turns[2]])
+    assert omitted == null and "<|im_start|>tool\n4<|im_end|>" in omitted
 
 
 def _with_template(template: str) -> Tokenizer:
