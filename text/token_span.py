@@ -60,25 +60,25 @@ def max_composition() -> int:
                if not 0xD800 <= c <= 0xDFFF)
 
 
-def _types(component: Any) -> list[str]:
+def component_types(component: Any) -> list[str]:
     """Component types of a normalizer, pre-tokenizer or decoder, Sequences flattened."""
     if component is None:
         return []
     state = json.loads(component.__getstate__()) if not isinstance(component, dict) \
         else component
-    parts = state.get("normalizers") or state.get("pretokenizers")
-    return [t for part in parts for t in _types(part)] if parts else [state["type"]]
+    parts = state.get("normalizers") or state.get("pretokenizers") or state.get("decoders")
+    return [t for part in parts for t in component_types(part)] if parts else [state["type"]]
 
 
 def _normalizer_factor(backend: BackendTokenizer) -> int | None:
-    kinds = _types(backend.normalizer)
+    kinds = component_types(backend.normalizer)
     if any(kind not in ("NFC", "NFKC", "NFD", "NFKD") for kind in kinds):
         return None
     composes = sum(kind in ("NFC", "NFKC") for kind in kinds)
     return max_composition() ** composes if composes else 1
 
 
-def _byte_symbols() -> list[str]:
+def byte_symbols() -> list[str]:
     """GPT-2's byte-level alphabet, indexed by byte: printable Latin-1 bytes stand for
     themselves, the other 68 bytes, in order, for U+0100 onwards."""
     printable = [b for b in range(256) if 33 <= b <= 126 or 161 <= b <= 172 or b >= 174]
@@ -91,9 +91,9 @@ def _vanishing_chars(backend: BackendTokenizer) -> str | None:
     """ASCII characters whose byte is not in the vocabulary; None when not byte-level BPE
     or when a continuation byte is missing too (a multi-byte character could vanish)."""
     if not isinstance(backend.model, models.BPE) or \
-            "ByteLevel" not in _types(backend.pre_tokenizer):
+            "ByteLevel" not in component_types(backend.pre_tokenizer):
         return None
-    vocab, symbols = backend.get_vocab(with_added_tokens=False), _byte_symbols()
+    vocab, symbols = backend.get_vocab(with_added_tokens=False), byte_symbols()
     if set(symbols) != set(pre_tokenizers.ByteLevel.alphabet()) or any(
             symbols[byte] not in vocab for byte in range(0x80, 0xC0)):
         return None

@@ -18,6 +18,7 @@ from text.chat_prompt import ChatPrompt, ChatPromptEncoder, continue_final, rend
 from text.chat_template import (ChatTemplate, ChatTemplateError, inline_tool_calls,
                                 validate_messages)
 from text.gguf_tokenizer import build_gguf_tokenizer
+from text.token_bytes import TokenBytes
 from text.token_span import TokenSpan, token_span
 from model_files.gguf_file import GGUFFile
 from model_files.paths import ModelFileError, is_gguf_file, resolve_tokenizer_path
@@ -66,6 +67,15 @@ class Tokenizer:
     def token_span(self) -> TokenSpan | None:
         """The most characters one token covers (text/token_span.py); None: no bound."""
         return token_span(self._backend)
+
+    @functools.cached_property
+    def _token_bytes(self) -> TokenBytes:
+        return TokenBytes(self._backend)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, a partial UTF-8 character included (what chat
+        logprobs' ``bytes`` lists; ``decode`` would give U+FFFD), text/token_bytes.py."""
+        return self._token_bytes(token_id)
 
     @functools.cached_property
     def _chat_encoder(self) -> ChatPromptEncoder:

@@ -40,7 +40,10 @@ def chat_logprobs(logprobs: list[TokenLogprobs] | None, tokenizer,
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = token_text(tokenizer, token_id, tokens_as_token_ids)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        # the token's own bytes: joined over tokens they spell characters no one token
+        # holds whole (the text alone shows U+FFFD for those)
+        raw = text.encode() if tokens_as_token_ids else tokenizer.token_bytes(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     return {"content": [{**entry(lp.token_id, lp.logprob),
                          "top_logprobs": [entry(t, v) for t, v in zip(lp.top_token_ids,

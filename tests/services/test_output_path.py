@@ -102,7 +102,7 @@ async def _http(tokenizer, chat: bool, stream: bool):
             async with session.post(url + path, json=body) as resp:
                 assert resp.status == 200, await resp.text()
                 raw = await resp.text()
-    texts, finish, logprobs = ["", "", ""], [None] * 3, [[], [], []]
+    texts, finish, logprobs, raw_bytes = ["", "", ""], [None] * 3, [[], [], []], [b""] * 3
     events = ([json.loads(line[6:]) for line in raw.splitlines()
                if line.startswith("data: {")] if stream else [json.loads(raw)])
     for event in events:
@@ -115,7 +115,9 @@ async def _http(tokenizer, chat: bool, stream: bool):
             if lp:
                 logprobs[i] += ([c["logprob"] for c in lp["content"]] if chat
                                 else lp["token_logprobs"])
-    return texts, finish, logprobs, engine.aborted
+                if chat:
+                    raw_bytes[i] += b"".join(bytes(c["bytes"]) for c in lp["content"])
+    return texts, finish, logprobs, raw_bytes, engine.aborted
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
@@ -123,7 +125,8 @@ async def _http(tokenizer, chat: bool, stream: bool):
 def test_offline_and_http_give_the_same_outputs(smollm_tokenizer, chat, stream):
     offline, offline_aborted = _offline(smollm_tokenizer,
                                         smollm_tokenizer.encode("Hello"))
-    texts, finish, logprobs, http_aborted = asyncio.run(_http(smollm_tokenizer, chat, stream))
+    texts, finish, logprobs, raw_bytes, http_aborted = asyncio.run(
+        _http(smollm_tokenizer, chat, stream))
     assert [c.text for c in offline.outputs] == EXPECTED
     assert texts == EXPECTED
     assert [c.finish_reason for c in offline.outputs] == finish == FINISH
@@ -132,6 +135,10 @@ def test_offline_and_http_give_the_same_outputs(smollm_tokenizer, chat, stream):
     assert all(len(c.logprobs) == len(c.token_ids) > 0 for c in offline.outputs)
     assert logprobs == [[entry[t].logprob for t, entry in zip(c.token_ids, c.logprobs)]
                         for c in offline.outputs]
+    if chat:  # each token's own bytes, joined, spell the characters tokens split
+        for c, joined in zip(offline.outputs, raw_bytes):
+            assert joined == smollm_tokenizer.decode(c.token_ids).encode()
+        assert raw_bytes[1] == TEXTS[1].encode()
     # the samples that a stop string ended, and only those, were aborted in the engine
     for aborted in (offline_aborted, http_aborted):
         assert sorted(a.split("_", 1)[0] for a in aborted) == ["0", "2"]
