@@ -253,8 +253,7 @@ class Generation:
                     for payload in _tool_chunks(calls[delta.index], delta, fmt):
                         await _sse(resp, payload)
                 else:
-                    payload = self._chunk(delta, fmt)
-                    if payload is not None:
+                    for payload in self._chunks(delta, fmt):
                         if self.checked.continuous_usage:  # the request's usage so far
                             payload["usage"] = self._usage()
                         await _sse(resp, payload)
@@ -274,15 +273,18 @@ class Generation:
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    def _chunk(self, delta: SampleDelta, fmt: dict) -> dict | None:
-        """The stream event of one delta; None when it shows nothing."""
+    def _chunks(self, delta: SampleDelta, fmt: dict) -> list[dict]:
+        """The stream events of one delta (none when it shows nothing). A completion
+        choice's echoed prompt and its first tokens go in two events: an event holds
+        one entry per choice index, as OpenAI's streams do."""
         if self.chat:
             if delta.text or delta.finish_reason or delta.token_ids:
-                return chat_chunk(delta, self.tokenizer, self.checked, self.outputs[0], **fmt)
-            return None
+                return [chat_chunk(delta, self.tokenizer, self.checked, self.outputs[0],
+                                   **fmt)]
+            return []
         k = delta.index // self.checked.params.n
-        choices = self._choices().chunk(delta, k, self.outputs[k])
-        return completion_chunk(choices, **fmt) if choices else None
+        return [completion_chunk([choice], **fmt)
+                for choice in self._choices().chunk(delta, k, self.outputs[k])]
 
 
 async def _sse(resp: web.StreamResponse, payload: dict) -> None:

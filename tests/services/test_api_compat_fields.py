@@ -128,3 +128,29 @@ def test_truncate_prompt_tokens_keeps_the_side_asked_for(smollm_tokenizer):
             assert got[:3] == [prompt[-3:], prompt[-3:], prompt[:3]]
             assert len(got[3]) == 2
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_a_stream_event_holds_one_entry_per_choice_index(smollm_tokenizer, max_tokens):
+    # the echoed prompt and a choice's first tokens (or its finish, at max_tokens 0)
+    # used to share one event as two entries of the same index
+    async def main():
+        async with api_server(smollm_tokenizer) as (url, _):
+            async with aiohttp.ClientSession() as s:
+                body = _body(CMPL, prompt="Hello there", echo=True, n=2, stream=True,
+                             max_tokens=max_tokens, logprobs=1)
+                async with s.post(url + CMPL, json=body) as r:
+                    assert r.status == 200, await r.text()
+                    return [json.loads(line[6:]) for line in (await r.text()).splitlines()
+                            if line.startswith("data: {")]
+    events = asyncio.run(main())
+    texts, finish = {}, {}
+    for event in events:
+        indices = [c["index"] for c in event["choices"]]
+        assert len(indices) == len(set(indices)), event
+        for c in event["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+            finish[c["index"]] = c["finish_reason"] or finish.get(c["index"])
+    generated = smollm_tokenizer.decode([42] * max_tokens) if max_tokens else ""
+    assert texts == {0: "Hello there" + generated, 1: "Hello there" + generated}
+    assert finish == {0: "length", 1: "length"}
