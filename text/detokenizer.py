@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+from text.stop_prefix import StopPrefixes
+
 # Ids kept as decoding context in front of new ones (prompt tail at the start).
 CONTEXT_TOKENS = 5
 # The window slides once it holds this many ids and its text is complete.
@@ -60,6 +62,7 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stops = [s for s in (stop or []) if s]
+        self._stop_prefixes = StopPrefixes(self._stops)  # what to hold back
         self._include_stop = include_stop_str_in_output
         self._ids: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self._window_start = 0
@@ -125,7 +128,7 @@ class IncrementalDetokenizer:
             self._pending_text = ""
             self.is_stopped, self.stop_str = True, stop
             return DetokenizedDelta(self._release(released), True, stop)
-        keep = 0 if final else self._stop_prefix_length(text)
+        keep = 0 if final else self._stop_prefixes.feed(new_text)
         self._pending_text = text[len(text) - keep:] if keep else ""
         return DetokenizedDelta(self._release(text[:len(text) - keep]))
 
@@ -143,12 +146,3 @@ class IncrementalDetokenizer:
                 best = (index, stop)
         return best
 
-    def _stop_prefix_length(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that a stop string starts with."""
-        longest = 0
-        for stop in self._stops:
-            for length in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:length]):
-                    longest = length
-                    break
-        return longest
