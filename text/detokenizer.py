@@ -58,12 +58,16 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: _Decoder, prompt_token_ids: Sequence[int], *,
                  skip_special_tokens: bool = True, stop: Sequence[str] | None = None,
-                 include_stop_str_in_output: bool = False):
+                 include_stop_str_in_output: bool = False, min_tokens: int = 0):
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stops = [s for s in (stop or []) if s]
         self._stop_prefixes = StopPrefixes(self._stops)  # what to hold back
         self._include_stop = include_stop_str_in_output
+        # stop strings end the output only in tokens after the first min_tokens (vLLM's
+        # rule; the engine holds back stop ids and EOS as long)
+        self._min_tokens = min_tokens
+        self._num_output_tokens = 0
         self._ids: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self._window_start = 0
         # The prompt's text counts as emitted: only output text is ever released.
@@ -84,6 +88,7 @@ class IncrementalDetokenizer:
         if self.is_stopped or self._is_finished:
             return DetokenizedDelta("", self.is_stopped, self.stop_str)
         self._ids.extend(new_token_ids)
+        self._num_output_tokens += len(new_token_ids)
         return self._advance(self._decode_new_text(force=False), final=False)
 
     def finish(self) -> DetokenizedDelta:
@@ -121,7 +126,8 @@ class IncrementalDetokenizer:
 
     def _advance(self, new_text: str, final: bool) -> DetokenizedDelta:
         text = self._pending_text + new_text
-        match = self._find_stop(text)
+        match = self._find_stop(text, len(self._pending_text)) \
+            if self._num_output_tokens > self._min_tokens else None
         if match is not None:
             index, stop = match
             released = text[:index + len(stop)] if self._include_stop else text[:index]
@@ -136,11 +142,14 @@ class IncrementalDetokenizer:
         self._output_text += text
         return text
 
-    def _find_stop(self, text: str) -> tuple[int, str] | None:
-        """Earliest stop string occurrence in ``text`` (the longest one on a tie)."""
+    def _find_stop(self, text: str, num_held: int) -> tuple[int, str] | None:
+        """Earliest stop string occurrence in ``text`` that ends past its first
+        ``num_held`` characters, the held-back text (the longest one on a tie). One
+        inside the held-back text alone came before min_tokens, or it would have ended
+        the output already."""
         best: tuple[int, str] | None = None
         for stop in self._stops:
-            index = text.find(stop)
+            index = text.find(stop, max(0, num_held - len(stop) + 1))
             if index >= 0 and (best is None or index < best[0]
                                or (index == best[0] and len(stop) > len(best[1]))):
                 best = (index, stop)

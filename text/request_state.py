@@ -53,7 +53,8 @@ class RequestState:
         for index, child_id in enumerate(child_ids):
             detokenizer = IncrementalDetokenizer(
                 tokenizer, prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens)
             completion = CompletionOutput(
                 index=index, text="", token_ids=[],
                 cumulative_logprob=0.0 if self.want_logprobs else None,

@@ -159,3 +159,31 @@ def test_a_long_run_of_incomplete_windows_stays_bounded(smollm_tokenizer):
         detokenizer.update([lead_byte])
     assert max(counting.window_sizes) <= 70
     assert detokenizer.finish().text.startswith("\ufffd")
+
+
+@pytest.mark.parametrize("min_tokens, released, stop_str", [
+    (0, "one ", "two"),  # the first "two" (token 2) ends it
+    (1, "one ", "two"),
+    (2, "one two three ", "two"),  # token 2 is not past min_tokens; token 4 is
+    (4, "one two three two ", "four"),
+    (5, "one two three two four ", "five"),
+])
+def test_stop_strings_wait_for_min_tokens(smollm_tokenizer, min_tokens, released, stop_str):
+    ids = smollm_tokenizer.encode("one two three two four five six", add_special_tokens=False)
+    assert smollm_tokenizer.convert_ids_to_tokens(ids)[:5] == ["one", "Ġtwo", "Ġthree",
+                                                                "Ġtwo", "Ġfour"]
+    detokenizer = IncrementalDetokenizer(smollm_tokenizer, [], stop=["two", "four", "five"],
+                                         min_tokens=min_tokens)
+    deltas = _stream(detokenizer, ids)
+    assert "".join(d.text for d in deltas) == released
+    assert detokenizer.stop_str == stop_str
+
+
+def test_a_stop_inside_text_held_before_min_tokens_is_not_found_later(smollm_tokenizer):
+    # "ab" completes inside text held back for "xabq" before min_tokens; the next token
+    # must not end the output on it
+    ids = smollm_tokenizer.encode("xab zz", add_special_tokens=False)
+    detokenizer = IncrementalDetokenizer(smollm_tokenizer, [], stop=["ab", "xabq"],
+                                         min_tokens=2)
+    deltas = _stream(detokenizer, ids)
+    assert "".join(d.text for d in deltas) == "xab zz" and not detokenizer.is_stopped
