@@ -102,17 +102,38 @@ class GrammarCompiler:
 
     def compile(self, spec: GrammarSpec):
         """A template ``LLMatcher`` at the grammar's start, its first token mask computed
-        (so a grammar that fails on its first token fails here); GrammarError otherwise.
-        Callers keep the template and ``deep_copy()`` it per sample."""
+        and one step beyond it tried (so a grammar that fails on its first or second
+        token fails here); GrammarError otherwise. Callers keep the template and
+        ``deep_copy()`` it per sample."""
         import llguidance
         import llguidance.numpy as llnp
         template = llguidance.LLMatcher(self.ll_tokenizer, grammar_text(spec), log_level=0,
                                         limits=parser_limits())
         if not template.is_error():
-            llnp.fill_next_token_bitmask(template, allocate_bitmask(1, self.vocab_size))
+            mask = allocate_bitmask(1, self.vocab_size)
+            llnp.fill_next_token_bitmask(template, mask)
+            if not template.is_error():
+                self._try_first_token(template, mask)
         if template.is_error():
             raise GrammarError(template.get_error())
         return template
+
+    def _try_first_token(self, template, mask: np.ndarray) -> None:
+        """Consume the first token ``mask`` allows (EOS aside) on a copy and compute the
+        next mask. A grammar whose lexer outgrows its limits on the first step (a regex
+        like ``(a{1000}){1000}``) would otherwise pass here and only fail mid-generation,
+        where the sample can just end."""
+        import llguidance.numpy as llnp
+        bits = np.unpackbits(mask[0].view(np.uint8), bitorder="little")
+        eos = set(self.eos_token_ids)
+        first = next((int(t) for t in np.flatnonzero(bits) if int(t) not in eos), None)
+        if first is None:
+            return
+        probe = template.deep_copy()
+        if probe.consume_tokens([first]):
+            llnp.fill_next_token_bitmask(probe, allocate_bitmask(1, self.vocab_size))
+        if probe.is_error():
+            raise GrammarError(probe.get_error())
 
 
 def allocate_bitmask(num_rows: int, vocab_size: int) -> np.ndarray:
