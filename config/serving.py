@@ -123,8 +123,8 @@ class APIConfig:
     max_grammar_chars: int = _f(65536, "longest grammar a request may constrain its output "
                                 "with (a JSON schema's text, a regex, choices, EBNF), "
                                 f"at most {ENGINE_MAX_GRAMMAR_CHARS}")
-    grammar_compile_timeout_s: float = _f(2.0, "seconds a request's grammar may take to "
-                                          "compile in the API process (400 beyond)")
+    grammar_compile_timeout_s: float = _f(2.0, "CPU seconds a request's grammar may take "
+                                          "to compile in the API process (400 beyond)")
 
     @property
     def body_hold_s(self) -> float:

@@ -4,15 +4,20 @@ a 400 naming the field that asked for it.
 
 Compiles run on one thread of their own (llguidance releases the GIL while it builds),
 never on the event loop and never on the tokenizer threads, so a slow grammar delays
-only other grammars. Verdicts are kept by spec (LRU): a schema sent again costs a
-lookup. The time limit counts from the moment the compile starts; a request whose
-grammar waited MAX_QUEUE_WAIT_S behind others' is told to retry (503), not blamed.
+only other grammars. That thread runs at a lower priority (as the long-text tokenizer
+threads do): six grammars built to compile for seconds each, from one client, had
+stalled every other stream on 2 cores for 1-2.7 s at a time. Verdicts are kept by spec
+(LRU): a schema sent again costs a lookup. The time limit counts the compile's own CPU
+seconds, so a grammar is not blamed for a busy machine; a request whose grammar waited
+MAX_QUEUE_WAIT_S behind others' is told to retry (503), not blamed, and so is one whose
+compile has not finished after MAX_WALL_FACTOR times the limit.
 A compile that overruns cannot be stopped, but llguidance's limits
 (text/grammar_compiler.py) bound how long it can go on.
 """
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -20,12 +25,22 @@ from concurrent.futures import ThreadPoolExecutor
 
 from engine_core.structured_outputs import GrammarSpec
 from services.api.openai_protocol import bad, unavailable
+from services.api.tokenizer_pool import lower_thread_priority
 from text.grammar_compiler import GrammarCompiler, GrammarError
 from text.tokenizer import Tokenizer
 
 MAX_VERDICTS = 1024
 MAX_QUEUE_WAIT_S = 10.0  # behind other grammars; then 503 (retry), never a false 400
+MAX_WALL_FACTOR = 10.0  # a compile starved of CPU this long: 503 (retry), not a 400
 _POLL_S = 0.02
+
+
+def _thread_cpu_clock() -> int | None:
+    """The calling thread's CPU-time clock (Unix), None elsewhere."""
+    try:
+        return time.pthread_getcpuclockid(threading.get_ident())
+    except (AttributeError, OSError):
+        return None
 
 
 class _Compile:
@@ -36,16 +51,31 @@ class _Compile:
         self.compiler, self.spec = compiler, spec
         self.picked: float | None = None
         self.started: float | None = None
+        self._clock: int | None = None
+        self._cpu_started = 0.0
 
     def run(self) -> str | None:
         self.picked = time.monotonic()
         self.compiler.ll_tokenizer  # built once per process, not counted against the limit
+        self._clock = _thread_cpu_clock()
+        if self._clock is not None:
+            self._cpu_started = time.clock_gettime(self._clock)
         self.started = time.monotonic()
         try:
             self.compiler.compile(self.spec)
         except GrammarError as e:
             return str(e)
         return None
+
+    def seconds(self) -> float:
+        """How long the compile has run: its thread's CPU seconds where the platform
+        tells them, else wall seconds (call once ``started`` is set)."""
+        if self._clock is not None:
+            try:
+                return time.clock_gettime(self._clock) - self._cpu_started
+            except OSError:  # the thread is gone: the compile has finished
+                pass
+        return time.monotonic() - self.started
 
 
 class GrammarChecker:
@@ -55,7 +85,8 @@ class GrammarChecker:
                  timeout_s: float):
         self.compiler = GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
         self.timeout_s = timeout_s
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-check")
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar-check",
+                                            initializer=lower_thread_priority)
         self._verdicts: OrderedDict[GrammarSpec, str | None] = OrderedDict()
 
     async def check(self, spec: GrammarSpec, param: str) -> bool:
@@ -84,9 +115,12 @@ class GrammarChecker:
             if done:
                 return future.result()
             now = time.monotonic()
-            if job.started is not None and now - job.started > self.timeout_s:
+            if job.started is not None and job.seconds() > self.timeout_s:
                 return (f"the grammar did not compile within {self.timeout_s:g} s; make "
                         f"it smaller or simpler")
+            if job.started is not None and now - job.started > MAX_WALL_FACTOR * self.timeout_s:
+                raise unavailable("the grammar compiler is busy; retry later",
+                                  "grammar_compiler_busy")
             if job.picked is None and now - queued_at > MAX_QUEUE_WAIT_S:
                 future.cancel()
                 raise unavailable("the grammar compiler is busy; retry later",
