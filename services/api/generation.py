@@ -60,6 +60,7 @@ class Generation:
     created: int = field(default_factory=lambda: int(time.time()))
     states: list[RequestState] = field(default_factory=list)  # one per prompt
     choices: CompletionChoices | None = None  # completions: renders the choices
+    truncated: list[bool] = field(default_factory=list)  # per prompt: truncate_prompt_tokens cut it
 
     @classmethod
     def start(cls, request: web.Request, checked: CheckedRequest, chat: bool,
@@ -90,9 +91,12 @@ class Generation:
                 params = self.checked.params
                 await self._check_grammar()
                 with self.trace.tokenize():
+                    tokenized = await tokenize()
                     prompts = [self.validator.check_prompt_ids(
                         self.checked.truncated(ids), params, self.checked.max_tokens_param)
-                        for ids in await tokenize()]
+                        for ids in tokenized]
+                # an echo shows what the model read: a truncated prompt's own text is not
+                self.truncated = [len(p) < len(ids) for p, ids in zip(prompts, tokenized)]
                 num_prompt_tokens = sum(map(len, prompts))
                 log.info("request received", operation=self.operation,
                          num_prompt_tokens=num_prompt_tokens, num_prompts=len(prompts),
@@ -136,9 +140,11 @@ class Generation:
 
     def _choices(self) -> CompletionChoices:
         if self.choices is None:
+            cut = self.truncated
             self.choices = CompletionChoices(
                 self.tokenizer, self.checked.options,
-                [p if isinstance(p, str) else None for p in self.checked.prompts or []],
+                [p if isinstance(p, str) and not (k < len(cut) and cut[k]) else None
+                 for k, p in enumerate(self.checked.prompts or [])],
                 self.checked.params.skip_special_tokens)
         return self.choices
 

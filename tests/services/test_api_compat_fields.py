@@ -154,3 +154,31 @@ def test_a_stream_event_holds_one_entry_per_choice_index(smollm_tokenizer, max_t
     generated = smollm_tokenizer.decode([42] * max_tokens) if max_tokens else ""
     assert texts == {0: "Hello there" + generated, 1: "Hello there" + generated}
     assert finish == {0: "length", 1: "length"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_shows_the_prompt_truncate_prompt_tokens_left(smollm_tokenizer, stream):
+    # the model read " five six": that is what an echo shows, with offsets into it
+    async def main():
+        async with api_server(smollm_tokenizer) as (url, _):
+            async with aiohttp.ClientSession() as s:
+                body = _body(CMPL, prompt="one two three four five six", echo=True,
+                             logprobs=0, max_tokens=1, truncate_prompt_tokens=2,
+                             stream=stream)
+                async with s.post(url + CMPL, json=body) as r:
+                    assert r.status == 200, await r.text()
+                    raw = await r.text()
+        events = ([json.loads(line[6:]) for line in raw.splitlines()
+                   if line.startswith("data: {")] if stream else [json.loads(raw)])
+        text, tokens, offsets = "", [], []
+        for event in events:
+            for c in event["choices"]:
+                text += c["text"]
+                if c["logprobs"]:
+                    tokens += c["logprobs"]["tokens"]
+                    offsets += c["logprobs"]["text_offset"]
+        return text, tokens, offsets
+    text, tokens, offsets = asyncio.run(main())
+    generated = smollm_tokenizer.decode([42])
+    assert text == " five six" + generated
+    assert tokens == [" five", " six", generated] and offsets == [0, 5, 9]
