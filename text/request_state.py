@@ -49,6 +49,7 @@ class RequestState:
                  child_ids: list[str]):
         self.output = RequestOutput(req_id, prompt, list(prompt_token_ids))
         self.want_logprobs = params.logprobs is not None
+        self._include_stop = params.include_stop_str_in_output
         self._samples: dict[str, _Sample] = {}
         for index, child_id in enumerate(child_ids):
             detokenizer = IncrementalDetokenizer(
@@ -93,7 +94,13 @@ class RequestState:
             self.output.num_cached_tokens = out.num_cached_tokens
         if out.prompt_logprobs is not None and self.output.prompt_token_logprobs is None:
             self.output.prompt_token_logprobs = out.prompt_logprobs
-        released, new_ids = _detokenize(sample.detokenizer, out.new_token_ids)
+        shown = out.new_token_ids
+        if (isinstance(out.stop_reason, int) and out.finish_reason is not None
+                and not self._include_stop and shown):
+            shown = shown[:-1]  # a stop token id's text is not output (vLLM's rule)
+        released, new_ids = _detokenize(sample.detokenizer, shown)
+        if not released.is_stopped:  # the stop token itself stays among the ids
+            new_ids += out.new_token_ids[len(shown):]
         c.token_ids.extend(new_ids)
         logprobs = list(out.new_logprobs or [])[:len(new_ids)] if self.want_logprobs else []
         if logprobs:
