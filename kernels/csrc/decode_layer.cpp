@@ -310,7 +310,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 // alternated pairs, benchmarks/decode_checkouts.py; README).
 
 // Threads of one team wait here for each other, spinning (a team holds its cores for
-// the whole step; OpenMP's barrier would do, at a higher price per meeting).
+// the whole step; OpenMP's barrier would do, at a higher price per meeting). A meeting
+// normally completes within microseconds; past kSpinsBeforeYield pauses (~70 us on a
+// Zen 4) the team is taken to share a core with something else and each further try
+// yields it. Spinning 16x longer first had made every one of a step's ~180 meetings cost
+// over a millisecond whenever another busy thread (a grammar compile, a client on the
+// same machine) took one of two cores: batch-1 steps of 0.3-0.7 s.
 class SpinBarrier {
  public:
   void set_size(int n) { size_ = n; }
@@ -322,7 +327,7 @@ class SpinBarrier {
       return;
     }
     for (int spins = 0; gen_.load(std::memory_order_acquire) == gen; ++spins) {
-      if (spins < 1 << 16) {
+      if (spins < kSpinsBeforeYield) {
         FOLIO_SPIN_PAUSE();
       } else {
         std::this_thread::yield();  // oversubscribed: let the others run
@@ -331,6 +336,7 @@ class SpinBarrier {
   }
 
  private:
+  static constexpr int kSpinsBeforeYield = 1 << 12;
   std::atomic<int> count_{0}, gen_{0};
   int size_ = 1;
 };
