@@ -190,6 +190,12 @@ class WorkerConfig:
                                 "1.4-5.9x faster on AMX, closer to float32; without "
                                 "AVX512-BF16 sdpa runs; amx: the older name of native). "
                                 "README: 'AMX prefill attention'")
+    omp_spin_count: int | None = _f(3000, "CPU: GOMP_SPINCOUNT for the worker process, "
+                                    "how long an OpenMP thread spins before it sleeps "
+                                    "(libgomp's default, 300000, made a short request's first "
+                                    "token 33x slower when any other busy process took one of "
+                                    "two cores; 3000: 2.3x). null keeps libgomp's default; a "
+                                    "GOMP_SPINCOUNT or OMP_WAIT_POLICY in the environment wins")
     enforce_eager: bool = _f(False, "CUDA: run every step eagerly; false captures decode "
                              "steps as CUDA graphs over a ladder of batch sizes (1, 2, 4, 8, "
                              "16, 32, ... up to scheduler.max_num_seqs, at most 512)")
@@ -245,6 +251,9 @@ class WorkerConfig:
         _check(self.prefill_attention in PREFILL_ATTENTIONS, "worker.prefill_attention",
                f"must be one of {PREFILL_ATTENTIONS}, got {self.prefill_attention!r}")
         _check(self.num_threads >= 0, "worker.num_threads", "must be non-negative")
+        _check(self.omp_spin_count is None or (
+            isinstance(self.omp_spin_count, int) and self.omp_spin_count >= 0),
+            "worker.omp_spin_count", "must be null or a non-negative integer")
         _check(self.linear_backend in LINEAR_BACKENDS, "worker.linear_backend",
                f"must be one of {LINEAR_BACKENDS}, got {self.linear_backend!r}")
         _check(self.extension_cls is None or (
