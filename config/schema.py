@@ -193,8 +193,8 @@ class WorkerConfig:
     omp_spin_count: int | None = _f(3000, "CPU: GOMP_SPINCOUNT for the worker process, "
                                     "how long an OpenMP thread spins before it sleeps "
                                     "(libgomp's default, 300000, made a short request's first "
-                                    "token 33x slower when any other busy process took one of "
-                                    "two cores; 3000: 2.3x). null keeps libgomp's default; a "
+                                    "token 28x slower when any other busy process took one of "
+                                    "two cores; 3000: 2.2x). null keeps libgomp's default; a "
                                     "GOMP_SPINCOUNT or OMP_WAIT_POLICY in the environment wins")
     enforce_eager: bool = _f(False, "CUDA: run every step eagerly; false captures decode "
                              "steps as CUDA graphs over a ladder of batch sizes (1, 2, 4, 8, "

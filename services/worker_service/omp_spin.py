@@ -4,9 +4,9 @@ An OpenMP thread that finds no work spins before it sleeps; libgomp's default, 3
 spins, is milliseconds. On a machine whose cores are shared (two cores, the API, the
 engine core and any other busy process beside the worker) a thread waiting at a
 parallel region's end for a partner that lost its core spins that long each time, and
-a step has hundreds of regions: a short request's first token took 1.4 s instead of
-43 ms while one busy process ran (benchmarks/cpu_contention.py). With 3000 spins it
-took 81 ms, with decode and serving throughput unchanged. ``worker.omp_spin_count``
+a step has hundreds of regions: a short request's first token took 997 ms instead of
+35 ms (p50) while one busy process ran (benchmarks/cpu_contention.py). With 3000 spins
+it took 81 ms, with decode, serving and offline throughput within noise. ``worker.omp_spin_count``
 sets it; a GOMP_SPINCOUNT or OMP_WAIT_POLICY already in the environment is left alone.
 """
 from __future__ import annotations
