@@ -313,9 +313,9 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
 // the whole step; OpenMP's barrier would do, at a higher price per meeting). A meeting
 // normally completes within microseconds; past kSpinsBeforeYield pauses (~70 us on a
 // Zen 4) the team is taken to share a core with something else and each further try
-// yields it. Spinning 16x longer first had made every one of a step's ~180 meetings cost
-// over a millisecond whenever another busy thread (a grammar compile, a client on the
-// same machine) took one of two cores: batch-1 steps of 0.3-0.7 s.
+// yields it. The bound matters when another busy thread (a grammar compile, a client on
+// the same machine) takes one of two cores: each of a step's ~180 meetings then costs
+// the whole spin before the partner runs (at 65,536 spins, batch-1 steps of 0.3-0.7 s).
 class SpinBarrier {
  public:
   void set_size(int n) { size_ = n; }

@@ -60,7 +60,8 @@ class Generation:
     created: int = field(default_factory=lambda: int(time.time()))
     states: list[RequestState] = field(default_factory=list)  # one per prompt
     choices: CompletionChoices | None = None  # completions: renders the choices
-    truncated: list[bool] = field(default_factory=list)  # per prompt: truncate_prompt_tokens cut it
+    # per prompt: whether truncate_prompt_tokens cut it
+    truncated: list[bool] = field(default_factory=list)
 
     @classmethod
     def start(cls, request: web.Request, checked: CheckedRequest, chat: bool,

@@ -5,8 +5,8 @@ a 400 naming the field that asked for it.
 Compiles run on one thread of their own (llguidance releases the GIL while it builds),
 never on the event loop and never on the tokenizer threads, so a slow grammar delays
 only other grammars. That thread runs at a lower priority (as the long-text tokenizer
-threads do): six grammars built to compile for seconds each, from one client, had
-stalled every other stream on 2 cores for 1-2.7 s at a time. Verdicts are kept by spec
+threads do): grammars built to compile for seconds each must not take a core from the
+worker's forward passes. Verdicts are kept by spec
 (LRU): a schema sent again costs a lookup. The time limit counts the compile's own CPU
 seconds, so a grammar is not blamed for a busy machine; a request whose grammar waited
 MAX_QUEUE_WAIT_S behind others' is told to retry (503), not blamed, and so is one whose
@@ -118,7 +118,8 @@ class GrammarChecker:
             if job.started is not None and job.seconds() > self.timeout_s:
                 return (f"the grammar did not compile within {self.timeout_s:g} s; make "
                         f"it smaller or simpler")
-            if job.started is not None and now - job.started > MAX_WALL_FACTOR * self.timeout_s:
+            if (job.started is not None
+                    and now - job.started > MAX_WALL_FACTOR * self.timeout_s):
                 raise unavailable("the grammar compiler is busy; retry later",
                                   "grammar_compiler_busy")
             if job.picked is None and now - queued_at > MAX_QUEUE_WAIT_S:

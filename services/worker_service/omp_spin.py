@@ -6,8 +6,9 @@ engine core and any other busy process beside the worker) a thread waiting at a
 parallel region's end for a partner that lost its core spins that long each time, and
 a step has hundreds of regions: a short request's first token took 997 ms instead of
 35 ms (p50) while one busy process ran (benchmarks/cpu_contention.py). With 3000 spins
-it took 81 ms, with decode, serving and offline throughput within noise. ``worker.omp_spin_count``
-sets it; a GOMP_SPINCOUNT or OMP_WAIT_POLICY already in the environment is left alone.
+it took 81 ms, with decode, serving and offline throughput within noise.
+``worker.omp_spin_count`` sets it; a GOMP_SPINCOUNT or OMP_WAIT_POLICY already in the
+environment is left alone.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def spin_count_env(spin_count: int | None, environ: MutableMapping[str, str]) ->
     return True
 
 
-def apply_from_argv(argv: Sequence[str], environ: MutableMapping[str, str] = os.environ) -> bool:
+def apply_from_argv(argv: Sequence[str],
+                    environ: MutableMapping[str, str] = os.environ) -> bool:
     """The worker's command line (``--config``, ``--set``) → ``spin_count_env``. A config
     that does not load changes nothing here: the service reports it as it starts."""
     parser = argparse.ArgumentParser(add_help=False)

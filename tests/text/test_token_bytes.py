@@ -30,8 +30,9 @@ def _sentencepiece_with_byte_fallback() -> BackendTokenizer:
     backend = BackendTokenizer(models.BPE(vocab, [("\u2581", "a")], unk_token="<unk>",
                                           byte_fallback=True))
     backend.pre_tokenizer = pre_tokenizers.Metaspace()
-    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
-                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    backend.decoder = decoders.Sequence([
+        decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+        decoders.Strip(" ", 1, 0)])
     return backend
 
 
