@@ -118,7 +118,8 @@ def main():
                     help="Folio's model.quantization (auto: a quantized GGUF stays "
                          "quantized); HF always runs the dequantised weights in --dtype")
     ap.add_argument("--prefill-attention", default="sdpa", choices=["sdpa", "native", "amx"],
-                    help="Folio's worker.prefill_attention (native: its own prompt kernel; amx: the older name)")
+                    help="Folio's worker.prefill_attention (native: its own prompt kernel; "
+                         "amx: the older name)")
     ap.add_argument("--num-requests", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, nargs=2, default=[32, 512])
     ap.add_argument("--output-len", type=int, nargs=2, default=[32, 256])

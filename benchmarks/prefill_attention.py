@@ -79,8 +79,8 @@ def main():
     for n in args.lengths:
         q, k, v, starts, lens = step([n] * args.prompts, heads, kv_heads, head_dim, seed=n)
         out_native, out_sdpa = torch.empty_like(q), torch.empty_like(q)
-        t_native = timed(lambda: native.prefill_attention(q, k, v, starts, lens, scale,
-                                                          out_native), args.repeat) / args.prompts
+        t_native = timed(lambda: native.prefill_attention(
+            q, k, v, starts, lens, scale, out_native), args.repeat) / args.prompts
         t_sdpa = timed(lambda: sdpa(q, k, v, starts, lens, scale, out_sdpa),
                        args.repeat) / args.prompts
         exact = sdpa(q, k, v, starts, lens, scale, torch.empty(q.shape), torch.float32)
@@ -93,7 +93,8 @@ def main():
             row[f"{name}_equal_to_float32_rounded"] = round(equal, 4)
             row[f"{name}_mean_abs_error"] = float(f"{error:.3e}")
         rows.append(row)
-        print(f"{n:5d} tokens: native {row['native_us']:8.1f} us  sdpa {row['sdpa_us']:8.1f} us  "
+        print(f"{n:5d} tokens: native {row['native_us']:8.1f} us  "
+              f"sdpa {row['sdpa_us']:8.1f} us  "
               f"{row['speedup']:.2f}x   outputs = float32 rounded: native "
               f"{row['native_equal_to_float32_rounded']:.3f}, sdpa "
               f"{row['sdpa_equal_to_float32_rounded']:.3f}", flush=True)

@@ -195,7 +195,8 @@ class WorkerConfig:
                                     "(libgomp's default, 300000, made a short request's first "
                                     "token 28x slower when any other busy process took one of "
                                     "two cores; 3000: 2.2x). null keeps libgomp's default; a "
-                                    "GOMP_SPINCOUNT or OMP_WAIT_POLICY in the environment wins")
+                                    "GOMP_SPINCOUNT or OMP_WAIT_POLICY in the environment "
+                                    "wins")
     enforce_eager: bool = _f(False, "CUDA: run every step eagerly; false captures decode "
                              "steps as CUDA graphs over a ladder of batch sizes (1, 2, 4, 8, "
                              "16, 32, ... up to scheduler.max_num_seqs, at most 512)")

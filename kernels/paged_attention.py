@@ -111,8 +111,8 @@ def make_plan(query_start_loc: list[int], seq_lens: list[int], block_tables: tor
 
     ``use_native_decode`` hands decodes to the native CPU kernel, and with
     ``native_prefill`` (worker.prefill_attention: native) fresh prompt segments to the
-    native one (see kernels/cpu_paged_attention.py); the caller checks that they are available and
-    that the kernel's contract holds (bf16, head_dim 64 or 128). ``batch_invariant``
+    native one (see kernels/cpu_paged_attention.py); the caller checks that they are
+    available and that the kernel's contract holds (bf16, head_dim 64 or 128). ``batch_invariant``
     (deterministic mode) keeps the native kernel's work split from depending on the batch.
     """
     num_reqs = len(seq_lens)
@@ -156,9 +156,9 @@ def make_plan(query_start_loc: list[int], seq_lens: list[int], block_tables: tor
         for p in prefills:
             (own if p.key_slots is None and p.mask is None else rest).append(p)
         if own:
-            fresh = FreshPrefills(torch.tensor([p.start for p in own], dtype=torch.int64),
-                                  torch.tensor([p.end - p.start for p in own], dtype=torch.int64),
-                                  rest)
+            fresh = FreshPrefills(
+                torch.tensor([p.start for p in own], dtype=torch.int64),
+                torch.tensor([p.end - p.start for p in own], dtype=torch.int64), rest)
     return PagedAttentionPlan(num_decodes, decode_slots, decode_mask, prefills,
                               decode_tables, decode_lens, sliding_window,
                               native=use_native_decode, fresh=fresh,

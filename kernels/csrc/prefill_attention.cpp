@@ -251,8 +251,8 @@ void scores_dot(const char* qa, int64_t qa_stride, const uint32_t* kt, int64_t c
         for (int r = 0; r < kRows; ++r) {
           uint32_t pair;
           std::memcpy(&pair, qa + (r0 + r) * qa_stride + 4 * i, sizeof pair);
-          acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)),
-                                    keys);
+          const __m512bh qp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+          acc[r] = _mm512_dpbf16_ps(acc[r], qp, keys);
         }
       }
       for (int r = 0; r < kRows; ++r)
@@ -300,7 +300,7 @@ void attend_block(const Shape& sh, const c10::BFloat16* q, const uint32_t* kt,
                   float scale, c10::BFloat16* out, Work& w) {
   const int64_t rows = std::min(kTile, len - i0);
   const int64_t keys = i0 + rows;  // the last row's visible keys
-  const int64_t width = round_up(keys, kBlock);
+  const int64_t width = round_up(keys, kBlock), ctiles = round_up(keys, kTile) / kTile;
   const c10::BFloat16* q0 = q + (seg_start + i0) * sh.q_stride + h * HD;
   const char* qa = reinterpret_cast<const char*>(q0);
   int64_t qa_stride = sh.q_stride * 2;
@@ -312,10 +312,10 @@ void attend_block(const Shape& sh, const c10::BFloat16* q, const uint32_t* kt,
     qa_stride = HD * 2;
   }
 #if defined(FOLIO_AMX)
-  if constexpr (kAmx) scores<HD>(qa, qa_stride, kt, round_up(keys, kTile) / kTile, w.s.data(), width);
+  if constexpr (kAmx) scores<HD>(qa, qa_stride, kt, ctiles, w.s.data(), width);
   else
 #endif
-    scores_dot<HD>(qa, qa_stride, kt, round_up(keys, kTile) / kTile, w.s.data(), width);
+    scores_dot<HD>(qa, qa_stride, kt, ctiles, w.s.data(), width);
   for (int64_t r = 0; r < kTile; ++r) {
     uint16_t* pr = w.p.data() + r * width;
     uint16_t* lo = w.p_lo.data() + r * width;
@@ -326,11 +326,12 @@ void attend_block(const Shape& sh, const c10::BFloat16* q, const uint32_t* kt,
       std::memset(lo, 0, width * 2);
     }
   }
+  const int64_t blocks = width / kBlock;
 #if defined(FOLIO_AMX)
-  if constexpr (kAmx) weighted_values<HD>(w.p.data(), w.p_lo.data(), width, vt, width / kBlock, w.o.data());
+  if constexpr (kAmx) weighted_values<HD>(w.p.data(), w.p_lo.data(), width, vt, blocks, w.o.data());
   else
 #endif
-    weighted_values_dot<HD>(w.p.data(), w.p_lo.data(), width, vt, width / kBlock, w.o.data());
+    weighted_values_dot<HD>(w.p.data(), w.p_lo.data(), width, vt, blocks, w.o.data());
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 inv = _mm512_set1_ps(1.f / w.l[r]);  // key 0 is always visible: l > 0
     c10::BFloat16* o = out + (seg_start + i0 + r) * sh.out_stride + h * HD;
@@ -387,8 +388,8 @@ void run(const Shape& sh, const c10::BFloat16* q, const c10::BFloat16* k,
     for (int64_t it = next.fetch_add(1); it < num_items; it = next.fetch_add(1)) {
       const Item& x = items[it];
       const int64_t kvh = x.h / sh.group;
-      attend_block<HD, kAmx>(sh, q, kt_of(x.s, kvh), vt_of(x.s, kvh), starts[x.s], lens[x.s], x.h,
-                       x.i0, scale, out, w);
+      attend_block<HD, kAmx>(sh, q, kt_of(x.s, kvh), vt_of(x.s, kvh), starts[x.s],
+                             lens[x.s], x.h, x.i0, scale, out, w);
     }
   });
 }
