@@ -65,6 +65,8 @@ def test_environment_is_read(monkeypatch, tmp_path):
     ("api:\n  public_poll_interval_s: -1\n", "api.public_poll_interval_s"),
     ("scheduler:\n  fair_step_factor: 0.5\n", "scheduler.fair_step_factor"),
     ("scheduler:\n  fair_step_factor: -2\n", "scheduler.fair_step_factor"),
+    ("worker:\n  omp_spin_count: -1\n", "worker.omp_spin_count"),
+    ("worker:\n  omp_spin_count: lots\n", "worker.omp_spin_count"),
 ])
 def test_bad_keys_and_values_name_key_and_file(tmp_path, text, key):
     path = write(tmp_path, text)
