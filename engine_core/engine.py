@@ -179,10 +179,17 @@ class EngineCore:
             if self.scheduler.is_known_id(candidate):
                 raise InvalidRequestError(f"request id {candidate!r} is in use", "req_id")
 
-    def queue_rejection(self, num_prompt_tokens: int) -> str | None:
+    def queue_rejection(self, num_prompt_tokens: int,
+                        rides_with: str | None = None) -> str | None:
         """Backpressure for served requests (engine_core/queue_limits.py): why a new
-        request must be refused now, or None. ``add_request`` does not ask."""
+        request must be refused now, or None. ``add_request`` does not ask.
+
+        ``rides_with``: this is a later prompt of a request whose first prompt has that
+        id; while the first is live here, the rest are not refused (a request is
+        admitted whole, as n samples are, or it could never be admitted)."""
         s = self.scheduler
+        if rides_with is not None and s.is_known_id(rides_with):
+            return None
         return self.queue_limits.rejection(s.num_running, s.num_waiting,
                                            s.num_waiting_tokens, num_prompt_tokens)
 

@@ -48,6 +48,10 @@ class AddRequest:
     traceparent: str | None = None
     tenant: str | None = None  # the API key's tenant id (scheduler.policy fair)
     tenant_weight: float = 1.0
+    # A later prompt of a multi-prompt request names the engine id of its first prompt:
+    # while that one is live in this engine, this one is admitted with it, so a request
+    # is admitted whole, as its n samples are.
+    rides_with: str | None = None
 
 
 @dataclass(slots=True)

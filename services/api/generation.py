@@ -161,7 +161,8 @@ class Generation:
         queue = await self.engine.add(sub_id, ids, params, self.trace.traceparent,
                                       cache_salt=self.cache_salt, tenant=self.tenant,
                                       tenant_weight=self.tenant_weight,
-                                      lora_name=self.lora_name)
+                                      lora_name=self.lora_name,
+                                      rides_with=self._sub_id(0, num_prompts) if k else None)
         self.trace.on_replica(self.engine.replica_of(sub_id))
         child_ids = ([sub_id] if params.n == 1
                      else [f"{i}_{sub_id}" for i in range(params.n)])

@@ -157,7 +157,8 @@ class EngineCoreService:
             if self.control.holds_adds():  # an update or reset waits for quiet
                 self.inbox.append((link, message))
                 continue
-            refusal = self.engine.queue_rejection(len(message.prompt_token_ids))
+            refusal = self.engine.queue_rejection(len(message.prompt_token_ids),
+                                                  rides_with=message.rides_with)
             if refusal is not None:
                 await send_to_client(link, RequestRejected(message.req_id, refusal,
                                                            code="queue_full"))

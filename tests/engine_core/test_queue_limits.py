@@ -62,3 +62,19 @@ def test_engine_applies_limits_only_when_asked():
     engine.abort_request(["r1", "r2", "offline"])
     engine.step()
     assert not engine.is_queue_full() and engine.get_stats().num_waiting_tokens == 0
+
+
+def test_later_prompts_of_a_request_ride_with_its_first():
+    engine = make_engine(max_num_seqs=1)
+    engine.queue_limits = QueueLimits(max_num_seqs=1, max_num_queued_requests=1)
+    engine.add_request("req-0", list(range(4)))
+    engine.add_request("other", list(range(4)))  # the queue's one place
+    assert engine.queue_rejection(4) is not None
+    # a later prompt of req's request is admitted while req-0 is live, whatever the queue
+    assert engine.queue_rejection(4, rides_with="req-0") is None
+    # a first prompt that is not (or no longer) here gives no pass
+    assert engine.queue_rejection(4, rides_with="gone-0") is not None
+    engine.abort_request(["req-0"])
+    engine.step()
+    engine.add_request("third", list(range(4)))  # "other" runs, "third" queues
+    assert engine.queue_rejection(4, rides_with="req-0") is not None

@@ -100,6 +100,12 @@ async def _fill_and_drain(url: str) -> None:
             async with s.post(url + "/v1/completions",
                               json={**LONG, "max_tokens": 2}) as r:
                 assert r.status == 200, await r.text()
+        # a request is admitted whole: ten prompts pass max_num_seqs plus the queue
+        # limit (2 + 4), and an idle engine still takes all of them
+        batch = {**LONG, "prompt": [[5, 6, 7 + k] for k in range(10)], "max_tokens": 2}
+        async with s.post(url + "/v1/completions", json=batch) as r:
+            assert r.status == 200, await r.text()
+            assert len((await r.json())["choices"]) == 10
 
 
 def test_full_queue_answers_503_with_retry_after_then_recovers(long_context_model,
