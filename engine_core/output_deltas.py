@@ -15,13 +15,15 @@ def make_delta(request: Request, new_ids: list[int], is_first: bool) -> EngineCo
 
 
 def append_tokens(request: Request, token_ids: list[int],
-                  logprobs: list[TokenLogprobs] | None, max_model_len: int
+                  logprobs: list[TokenLogprobs] | None, max_model_len: int,
+                  grammar_ended: bool = False
                   ) -> tuple[EngineCoreOutput, RequestStatus | None]:
     """Append sampled tokens up to the first stop rule that fires (tokens after it, e.g.
     the rest of an accepted draft run, are dropped); the delta and the finished status
-    reached, if any (the caller finishes the request, then sets ``finish_reason``)."""
+    reached, if any (the caller finishes the request, then sets ``finish_reason``).
+    ``grammar_ended``: see ``check_stop``."""
     is_first = request.num_output_tokens == 0
-    new_ids, status = append_until_stop(request, token_ids, max_model_len)
+    new_ids, status = append_until_stop(request, token_ids, max_model_len, grammar_ended)
     out = make_delta(request, new_ids, is_first)
     out.new_logprobs = logprobs[:len(new_ids)] if logprobs is not None else None
     if is_first and request.wants_prompt_logprobs and request.index == 0:

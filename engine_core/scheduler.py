@@ -333,8 +333,9 @@ class Scheduler:
         self._timed_step = None
         mro = model_runner_output
         position = {req_id: i for i, req_id in enumerate(mro.req_ids)}
-        deferred = (set(mro.structured_output.deferred_req_ids)
-                    if mro.structured_output is not None else ())
+        report = mro.structured_output
+        deferred = set(report.deferred_req_ids) if report is not None else ()
+        grammar_ended = set(report.ended_req_ids) if report is not None else ()
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.status is not RequestStatus.RUNNING:
@@ -358,7 +359,8 @@ class Scheduler:
             if not sampled:
                 continue
             logprobs = mro.logprobs[i] if i < len(mro.logprobs) else None
-            out, status = append_tokens(request, sampled, logprobs, self.max_model_len)
+            out, status = append_tokens(request, sampled, logprobs, self.max_model_len,
+                                        req_id in grammar_ended)
             if status is not None:
                 self._finish(request, status)
                 out.finish_reason = request.finish_reason

@@ -8,13 +8,18 @@ from __future__ import annotations
 from engine_core.request import Request, RequestStatus
 
 
-def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestStatus | None:
+def check_stop(request: Request, token_id: int, max_model_len: int,
+               grammar_ended: bool = False) -> RequestStatus | None:
     """The finished status ``request`` reaches with ``token_id`` (already appended).
 
-    Order: a stop token id (recorded as ``stop_reason``), then EOS unless
-    ``ignore_eos`` (neither before ``min_tokens`` outputs), then the length limits.
+    Order: an EOS where the grammar allowed nothing else (``grammar_ended``: whatever
+    ``ignore_eos`` and ``min_tokens`` say, the output cannot go on), a stop token id
+    (recorded as ``stop_reason``), then EOS unless ``ignore_eos`` (neither before
+    ``min_tokens`` outputs), then the length limits.
     """
     params = request.sampling_params
+    if grammar_ended and token_id in request.eos_token_ids:
+        return RequestStatus.FINISHED_STOPPED
     if request.num_output_tokens >= params.min_tokens:
         if token_id in params.stop_token_ids:
             request.stop_reason = token_id
@@ -26,8 +31,8 @@ def check_stop(request: Request, token_id: int, max_model_len: int) -> RequestSt
     return None
 
 
-def append_until_stop(request: Request, token_ids: list[int],
-                      max_model_len: int) -> tuple[list[int], RequestStatus | None]:
+def append_until_stop(request: Request, token_ids: list[int], max_model_len: int,
+                      grammar_ended: bool = False) -> tuple[list[int], RequestStatus | None]:
     """Append sampled tokens one by one until a stop rule fires.
 
     Returns the tokens appended (those after a stop are dropped) and the finished
@@ -37,7 +42,7 @@ def append_until_stop(request: Request, token_ids: list[int],
     for token_id in token_ids:
         request.append_output_token_ids(token_id)
         new_ids.append(token_id)
-        status = check_stop(request, token_id, max_model_len)
+        status = check_stop(request, token_id, max_model_len, grammar_ended)
         if status is not None:
             return new_ids, status
     return new_ids, None

@@ -150,8 +150,11 @@ class StructuredOutputReport:
     last token so they compute it again next step (others in the batch went on).
     ``compile_seconds`` has one entry per grammar compiled since the last report (cache
     misses); ``num_cache_hits`` counts requests whose grammar was already compiled.
+    ``ended_req_ids`` sampled an EOS where their grammar allowed nothing else: that EOS
+    ends them even under ``ignore_eos`` or before ``min_tokens``.
     """
 
     deferred_req_ids: list[str] = field(default_factory=list)
     compile_seconds: list[float] = field(default_factory=list)
     num_cache_hits: int = 0
+    ended_req_ids: list[str] = field(default_factory=list)

@@ -91,3 +91,22 @@ def test_a_bad_grammar_offline_raises_naming_the_field_and_queues_nothing(make_t
             structured_outputs={"json": {"type": "nope"}})], use_tqdm=False)
     assert e.value.param == "structured_outputs"
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_complete_grammar_ends_the_output_even_under_ignore_eos(make_tiny_llm):
+    """Once the grammar allows nothing but EOS, that EOS ends the sample ("stop") even
+    with ignore_eos, rather than filling it with hidden EOS tokens up to max_tokens; a
+    free request with ignore_eos still runs to max_tokens."""
+    llm = make_tiny_llm()
+    eos = set(llm.engine.eos_token_ids)
+    params = [SamplingParams(max_tokens=40, temperature=1.0, seed=i, n=3, ignore_eos=True,
+                             structured_outputs=fields)
+              for i, (_, _, fields) in enumerate(CASES[:2])]
+    free = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    outs = llm.generate(["Answer:"] * 2 + ["free"], params + [free], use_tqdm=False)
+    for (kind, value, _), out in zip(CASES, outs[:2]):
+        for sample in out.outputs:
+            assert sample.finish_reason == "stop", (kind, sample.text, sample.token_ids)
+            assert sample.token_ids[-1] in eos and len(sample.token_ids) < 40
+            assert _valid(sample.text, kind, value), (kind, sample.text)
+    assert len(outs[2].outputs[0].token_ids) == 40

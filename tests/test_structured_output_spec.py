@@ -108,3 +108,21 @@ def test_the_model_as_its_own_draft_sampling_stays_valid(make_tiny_llm, tiny_lla
     stats = llm.engine.get_stats().spec_decode
     assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens > 0
     assert PERSON == CASES[3][1]
+
+
+def test_ignore_eos_ends_at_the_grammar_end_with_drafts_as_without(make_tiny_llm,
+                                                                   tiny_llama_draft_dir):
+    """The model drafting for itself proposes the EOS a complete grammar forces, and
+    more after it: that EOS ends the sample ("stop"), as it does without drafts. (An EOS
+    where the grammar could still go on does not: ignore_eos holds there.)"""
+    params = constrained(ignore_eos=True)
+    plain = make_tiny_llm().generate(PROMPTS, params, use_tqdm=False)
+    llm = make_tiny_llm(speculative_method="draft_model", num_speculative_tokens=4,
+                        speculative_draft_model=str(tiny_llama_draft_dir),
+                        **{"speculative.enable_adaptive": False})
+    spec = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert tokens(spec) == tokens(plain)
+    check_valid(spec)
+    eos = set(llm.engine.eos_token_ids)
+    assert all(out.outputs[0].token_ids[-1] in eos for out in spec)
+    assert llm.engine.get_stats().spec_decode.num_accepted_tokens > 0

@@ -64,6 +64,7 @@ class GrammarStep:
         self.bitmask = bitmask
         self.starts = np.cumsum([0] + [len(d) + 1 for d in drafts])[:-1].tolist()
         self.deferred_req_ids: list[str] = []
+        self.ended_req_ids: list[str] = []  # EOS where only EOS was allowed (accept)
         self._filled: Future = executor.submit(self._fill_ready)
 
     def _fill(self, i: int) -> None:
@@ -122,3 +123,5 @@ class GrammarStep:
         (``token_ids[p]``: state p's, among the states ``apply`` kept)."""
         for position, grammar in zip(self.positions, self.grammars):
             grammar.accept(token_ids[position])
+            if grammar.ended_at_eos:
+                self.ended_req_ids.append(grammar.req_id)

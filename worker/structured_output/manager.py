@@ -88,7 +88,8 @@ class StructuredOutputManager:
         """What to tell the engine core about this step (None: nothing happened)."""
         compile_seconds, num_hits = self.cache.take_stats()
         deferred = step.deferred_req_ids if step is not None else []
-        if not (compile_seconds or num_hits or deferred):
+        ended = step.ended_req_ids if step is not None else []
+        if not (compile_seconds or num_hits or deferred or ended):
             return None
-        return StructuredOutputReport(list(deferred), compile_seconds, num_hits)
+        return StructuredOutputReport(list(deferred), compile_seconds, num_hits, list(ended))
 

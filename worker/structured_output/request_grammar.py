@@ -12,7 +12,10 @@ limits mid-way), the sample is ``failed`` and its mask allows only EOS: it ends.
 EOS is never given to the matcher: llguidance records it only when the matcher has
 not already stopped, so its rollback counts would depend on that. For the grammar an
 EOS is a no-op (an output ends at it unless ``ignore_eos``; then the same mask holds
-after it, with drafts or without).
+after it, with drafts or without). The exception: an EOS sampled where the grammar
+allowed only EOS (complete and unable to go on, or failed) ends the output even under
+``ignore_eos``, which would otherwise fill it with hidden EOS tokens up to max_tokens;
+``accept`` says so and the engine core ends the sample.
 
 Speculative decoding: ``fill_drafts`` writes the masks of the k+1 verified positions
 by advancing through the drafts the grammar allows and rolling back, so the matcher
@@ -55,6 +58,7 @@ class RequestGrammar:
         self._replay = [t for t in output_token_ids if t not in self.eos_token_ids]
         self.matcher = None
         self.failed = False
+        self.ended_at_eos = False  # see accept
 
     @property
     def is_ready(self) -> bool:
@@ -86,10 +90,28 @@ class RequestGrammar:
 
     def accept(self, token_ids: Sequence[int]) -> bool:
         """Advance by sampled tokens the masks allowed (EOS skipped, see the module
-        docstring); False (and failed) otherwise."""
+        docstring); False (and failed) otherwise. Sets ``ended_at_eos`` when one of them
+        is an EOS sampled where the grammar allowed nothing else (it is stopped, or
+        failed): the output can only end there, even under ``ignore_eos``; tokens after
+        that EOS are not consumed (the engine core drops them)."""
+        self.ended_at_eos = False
         if self.failed or self.matcher is None:
+            self.ended_at_eos = any(t in self.eos_token_ids for t in token_ids)
             return False
-        token_ids = [t for t in token_ids if t not in self.eos_token_ids]
+        run: list[int] = []
+        for t in token_ids:
+            if t not in self.eos_token_ids:
+                run.append(t)
+                continue
+            if not self._consume(run):
+                return False
+            run = []
+            if self.matcher.is_stopped():
+                self.ended_at_eos = True
+                return True
+        return self._consume(run)
+
+    def _consume(self, token_ids: list[int]) -> bool:
         if token_ids and not self.matcher.consume_tokens(token_ids):
             self._fail(self.matcher.get_error())
             return False
