@@ -13,7 +13,9 @@ taken or promised to a waiting request) and either ``queued`` has reached
 ``max_num_queued_requests`` or the waiting prompt tokens plus its own would pass
 ``max_num_queued_tokens``. So the engine never holds more than
 ``max_num_seqs + max_num_queued_requests`` requests, and a request that finds free
-slots is never refused, whatever its size.
+slots is never refused, whatever its size. The one exception: the later prompts of a
+multi-prompt request ride with its first (``EngineCore.queue_rejection``'s
+``rides_with``), so a request is admitted whole, as its n samples are.
 """
 from __future__ import annotations
 
