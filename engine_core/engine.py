@@ -14,7 +14,7 @@ from engine_core.lora_control import LoRAControl, LoRAExecutor, LoRAStats
 from engine_core.model_control import ModelControl
 from engine_core.model_facts import ModelFacts
 from engine_core.outputs import EngineCoreOutput, ModelRunnerOutput
-from engine_core.queue_limits import QueueLimits
+from engine_core.queue_limits import AdmittedBatches, QueueLimits
 from engine_core.request import Request
 from engine_core.request_fields import check_prompt, check_tenant, check_vocabulary
 from engine_core.sampling_params import InvalidRequestError, SamplingParams
@@ -79,6 +79,7 @@ class EngineCore:
         self.control = ModelControl(self.scheduler)  # sleep state (model_control.py)
         self.lora_executor = lora_executor
         self.queue_limits = QueueLimits.from_config(scheduler_config)
+        self.admitted_batches = AdmittedBatches()
         self.executor = executor
         self.max_model_len = max_model_len
         self.eos_token_ids = tuple(eos_token_ids)
@@ -101,8 +102,9 @@ class EngineCore:
                     sampling_params: SamplingParams | None = None,
                     arrival_time: float | None = None, cache_salt: str | None = None,
                     lora_id: int = 0, *, tenant: str | None = None,
-                    tenant_weight: float = 1.0) -> list[str]:
+                    tenant_weight: float = 1.0, batch_id: str | None = None) -> list[str]:
         """Validate and queue a request; returns the engine ids of its samples.
+        ``batch_id``: see ``queue_rejection``.
 
         n > 1 becomes n samples ``f"{i}_{req_id}"`` (their outputs carry
         ``parent_req_id`` and ``index``); with a seed, sample i uses ``seed + i``.
@@ -128,6 +130,7 @@ class EngineCore:
                 arrival_time=arrival, eos_token_ids=self.eos_token_ids,
                 cache_salt=cache_salt, lora_id=lora_id, parent_req_id=parent_id,
                 index=index, tenant=tenant, tenant_weight=float(tenant_weight)))
+        self.admitted_batches.add(batch_id)
         return [s[0] for s in samples]
 
     def validate_request(self, prompt_token_ids: Sequence[int],
@@ -180,15 +183,15 @@ class EngineCore:
                 raise InvalidRequestError(f"request id {candidate!r} is in use", "req_id")
 
     def queue_rejection(self, num_prompt_tokens: int,
-                        rides_with: str | None = None) -> str | None:
+                        batch_id: str | None = None) -> str | None:
         """Backpressure for served requests (engine_core/queue_limits.py): why a new
         request must be refused now, or None. ``add_request`` does not ask.
 
-        ``rides_with``: this is a later prompt of a request whose first prompt has that
-        id; while the first is live here, the rest are not refused (a request is
-        admitted whole, as n samples are, or it could never be admitted)."""
+        ``batch_id``: the multi-prompt request this prompt belongs to; once
+        ``add_request`` has queued one of its prompts, the others are not refused (a
+        request is admitted whole, as its n samples are)."""
         s = self.scheduler
-        if rides_with is not None and s.is_known_id(rides_with):
+        if batch_id in self.admitted_batches:
             return None
         return self.queue_limits.rejection(s.num_running, s.num_waiting,
                                            s.num_waiting_tokens, num_prompt_tokens)

@@ -13,12 +13,14 @@ taken or promised to a waiting request) and either ``queued`` has reached
 ``max_num_queued_requests`` or the waiting prompt tokens plus its own would pass
 ``max_num_queued_tokens``. So the engine never holds more than
 ``max_num_seqs + max_num_queued_requests`` requests, and a request that finds free
-slots is never refused, whatever its size. The one exception: the later prompts of a
-multi-prompt request ride with its first (``EngineCore.queue_rejection``'s
-``rides_with``), so a request is admitted whole, as its n samples are.
+slots is never refused, whatever its size. The one exception: once one prompt of a
+multi-prompt request is queued, its other prompts are too (AdmittedBatches), so a
+request is admitted whole, as its n samples are; otherwise a request of more prompts
+than the limits could never be admitted.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from config.schema import SchedulerConfig
@@ -63,3 +65,24 @@ class QueueLimits:
         """Whether the next request would be refused even with a one-token prompt (API
         processes use this to refuse before tokenizing)."""
         return self.rejection(num_running, num_waiting, num_waiting_tokens, 1) is not None
+
+
+class AdmittedBatches:
+    """The multi-prompt requests (their ``batch_id``) of which this engine has queued a
+    prompt: the newest ``capacity`` of them, which covers a request's prompts arriving
+    together. Their other prompts pass the queue limits."""
+
+    def __init__(self, capacity: int = 4096):
+        self.capacity = capacity
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def __contains__(self, batch_id: str | None) -> bool:
+        return batch_id is not None and batch_id in self._ids
+
+    def add(self, batch_id: str | None) -> None:
+        if batch_id is None:
+            return
+        self._ids[batch_id] = None
+        self._ids.move_to_end(batch_id)
+        if len(self._ids) > self.capacity:
+            self._ids.popitem(last=False)

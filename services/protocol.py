@@ -48,10 +48,10 @@ class AddRequest:
     traceparent: str | None = None
     tenant: str | None = None  # the API key's tenant id (scheduler.policy fair)
     tenant_weight: float = 1.0
-    # A later prompt of a multi-prompt request names the engine id of its first prompt:
-    # while that one is live in this engine, this one is admitted with it, so a request
-    # is admitted whole, as its n samples are.
-    rides_with: str | None = None
+    # Each prompt of a multi-prompt request names the request: once an engine core has
+    # queued one of them, it queues the others past its queue limits too, so a request
+    # is admitted whole (per engine replica), as its n samples are.
+    batch_id: str | None = None
 
 
 @dataclass(slots=True)

@@ -133,12 +133,12 @@ class EngineClient:
     async def add(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                   traceparent: str | None = None, cache_salt: str | None = None,
                   tenant: str | None = None, tenant_weight: float = 1.0,
-                  lora_name: str | None = None, rides_with: str | None = None,
+                  lora_name: str | None = None, batch_id: str | None = None,
                   queue: asyncio.Queue | None = None) -> asyncio.Queue:
         """Send a request; ``cache_salt`` (the tenant's, from auth) keys its cache blocks,
         ``tenant`` and its weight are what the fair scheduler shares by, ``lora_name``
-        the adapter the client named (the engine core resolves it), ``rides_with`` the
-        first prompt's id for a later prompt of one request. ``queue``: answer
+        the adapter the client named (the engine core resolves it), ``batch_id`` the
+        request's id on each prompt of a multi-prompt request. ``queue``: answer
         on this one (a request moved here from a replica that went away)."""
         if not self.alive:
             raise EngineDead("the engine core is not reachable")
@@ -148,7 +148,7 @@ class EngineClient:
                                          time.time(), cache_salt=cache_salt,
                                          traceparent=traceparent, tenant=tenant,
                                          tenant_weight=tenant_weight, lora_name=lora_name,
-                                         rides_with=rides_with))
+                                         batch_id=batch_id))
         return queue
 
     async def abort(self, req_ids: list[str]) -> None:

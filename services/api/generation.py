@@ -162,7 +162,7 @@ class Generation:
                                       cache_salt=self.cache_salt, tenant=self.tenant,
                                       tenant_weight=self.tenant_weight,
                                       lora_name=self.lora_name,
-                                      rides_with=self._sub_id(0, num_prompts) if k else None)
+                                      batch_id=self.req_id if num_prompts > 1 else None)
         self.trace.on_replica(self.engine.replica_of(sub_id))
         child_ids = ([sub_id] if params.n == 1
                      else [f"{i}_{sub_id}" for i in range(params.n)])

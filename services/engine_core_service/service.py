@@ -158,7 +158,7 @@ class EngineCoreService:
                 self.inbox.append((link, message))
                 continue
             refusal = self.engine.queue_rejection(len(message.prompt_token_ids),
-                                                  rides_with=message.rides_with)
+                                                  batch_id=message.batch_id)
             if refusal is not None:
                 await send_to_client(link, RequestRejected(message.req_id, refusal,
                                                            code="queue_full"))
@@ -172,7 +172,8 @@ class EngineCoreService:
                 sample_ids = self.engine.add_request(
                     message.req_id, message.prompt_token_ids, message.sampling_params,
                     cache_salt=message.cache_salt, lora_id=self.lora.lora_id_of(message.lora_name),
-                    tenant=message.tenant, tenant_weight=message.tenant_weight)
+                    tenant=message.tenant, tenant_weight=message.tenant_weight,
+                    batch_id=message.batch_id)
             except InvalidRequestError as e:
                 code = ("model_not_found" if isinstance(e, UnknownLoRAError)
                         else getattr(e, "code", None))  # "sleeping"

@@ -2,7 +2,7 @@
 queue's token count it reads."""
 import pytest
 
-from engine_core.queue_limits import QueueLimits
+from engine_core.queue_limits import AdmittedBatches, QueueLimits
 from engine_core.request_queue import RequestQueue
 from tests.engine_core.factories import make_engine, make_request
 
@@ -64,17 +64,24 @@ def test_engine_applies_limits_only_when_asked():
     assert not engine.is_queue_full() and engine.get_stats().num_waiting_tokens == 0
 
 
-def test_later_prompts_of_a_request_ride_with_its_first():
+def test_a_multi_prompt_request_is_admitted_whole():
     engine = make_engine(max_num_seqs=1)
     engine.queue_limits = QueueLimits(max_num_seqs=1, max_num_queued_requests=1)
-    engine.add_request("req-0", list(range(4)))
+    engine.add_request("req-0", list(range(4)), batch_id="req")
     engine.add_request("other", list(range(4)))  # the queue's one place
     assert engine.queue_rejection(4) is not None
-    # a later prompt of req's request is admitted while req-0 is live, whatever the queue
-    assert engine.queue_rejection(4, rides_with="req-0") is None
-    # a first prompt that is not (or no longer) here gives no pass
-    assert engine.queue_rejection(4, rides_with="gone-0") is not None
-    engine.abort_request(["req-0"])
-    engine.step()
-    engine.add_request("third", list(range(4)))  # "other" runs, "third" queues
-    assert engine.queue_rejection(4, rides_with="req-0") is not None
+    # req's other prompts pass the full queue: one of its prompts is queued here
+    assert engine.queue_rejection(4, batch_id="req") is None
+    engine.add_request("req-1", list(range(4)), batch_id="req")
+    assert engine.queue_rejection(4, batch_id="req") is None
+    # a request none of whose prompts this engine queued gets no pass
+    assert engine.queue_rejection(4, batch_id="new") is not None
+
+
+def test_admitted_batches_keep_the_newest():
+    batches = AdmittedBatches(capacity=2)
+    batches.add(None)
+    assert None not in batches
+    for b in ("a", "b", "a", "c"):  # "a" again is the newest then; "b" the oldest
+        batches.add(b)
+    assert "a" in batches and "c" in batches and "b" not in batches

@@ -36,7 +36,7 @@ class FakeEngine:
     aborted: list = field(default_factory=list)
     tenants: list = field(default_factory=list)  # (tenant, weight) of each add
     lora_names: list = field(default_factory=list)  # the LoRA adapter of each add
-    rides: list = field(default_factory=list)  # (req_id, rides_with) of each add
+    rides: list = field(default_factory=list)  # (req_id, batch_id) of each add
     queue_state: QueueState = field(default_factory=lambda: QueueState(is_full=False))
     # what fresh_health() returns: None plays a dead link or a stale snapshot
     health: HealthSnapshot | None = field(default_factory=lambda: HealthSnapshot(
@@ -46,13 +46,13 @@ class FakeEngine:
         self.dead = asyncio.Event()
 
     async def add(self, req_id, ids, params, traceparent=None, cache_salt=None,
-                  tenant=None, tenant_weight=1.0, lora_name=None, rides_with=None):
+                  tenant=None, tenant_weight=1.0, lora_name=None, batch_id=None):
         if self.fail_with is not None:
             raise self.fail_with
         self.added.append((req_id, list(ids), params, cache_salt))
         self.tenants.append((tenant, tenant_weight))
         self.lora_names.append(lora_name)
-        self.rides.append((req_id, rides_with))
+        self.rides.append((req_id, batch_id))
         queue: asyncio.Queue = asyncio.Queue()
         if self.script is not None:
             for out in self.script(req_id, params):
