@@ -214,6 +214,31 @@ def test_an_eos_draft_is_a_no_op_for_the_matcher(manager, smollm_tokenizer):
     assert grammar.validate([one]) == 1 and not grammar.is_complete
 
 
+def test_only_a_first_eos_where_the_grammar_must_end_ends_the_sample(manager,
+                                                                  smollm_tokenizer):
+    """``ended_at_eos``: the first EOS of the emitted tokens came where the grammar was
+    stopped (a regex of exactly two digits, after two); an EOS where it could go on
+    (after one digit of \\d{1,2}, ignore_eos) does not end it, nor does a later one."""
+    one = smollm_tokenizer.encode("1", add_special_tokens=False)[0]
+
+    def grammar_for(regex: str) -> RequestGrammar:
+        spec = StructuredOutputsParams(regex=regex).spec
+        manager.validate(spec)
+        g = RequestGrammar("g", manager.cache.get(spec), [], EOS)
+        assert g.is_ready
+        return g
+
+    exact = grammar_for(r"\d\d")
+    assert exact.accept([one, one, EOS[0], EOS[0]]) and exact.ended_at_eos
+    assert exact.accept([EOS[0]]) and exact.ended_at_eos
+    open_end = grammar_for(r"\d{1,2}")
+    assert open_end.accept([one, EOS[0], one, EOS[0]]) and not open_end.ended_at_eos
+    assert open_end.accept([EOS[0]]) and open_end.ended_at_eos  # now it must end
+    plain = grammar_for(r"\d\d")
+    plain.accept([one])
+    assert not plain.ended_at_eos
+
+
 def test_the_draft_guide_masks_each_pass_where_the_drafts_stand_then_rolls_back(
         manager, smollm_tokenizer):
     """Grammar-guided drafting: pass j's draft logits are masked at output + d1..dj

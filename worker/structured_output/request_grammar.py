@@ -90,8 +90,8 @@ class RequestGrammar:
 
     def accept(self, token_ids: Sequence[int]) -> bool:
         """Advance by sampled tokens the masks allowed (EOS skipped, see the module
-        docstring); False (and failed) otherwise. Sets ``ended_at_eos`` when one of them
-        is an EOS sampled where the grammar allowed nothing else (it is stopped, or
+        docstring); False (and failed) otherwise. Sets ``ended_at_eos`` when the first EOS
+        among them was sampled where the grammar allowed nothing else (it is stopped, or
         failed): the output can only end there, even under ``ignore_eos``; tokens after
         that EOS are not consumed (the engine core drops them)."""
         self.ended_at_eos = False
@@ -99,6 +99,7 @@ class RequestGrammar:
             self.ended_at_eos = any(t in self.eos_token_ids for t in token_ids)
             return False
         run: list[int] = []
+        seen_eos = False
         for t in token_ids:
             if t not in self.eos_token_ids:
                 run.append(t)
@@ -106,9 +107,13 @@ class RequestGrammar:
             if not self._consume(run):
                 return False
             run = []
-            if self.matcher.is_stopped():
+            # only the first EOS: the engine core ends the sample at the first one, and
+            # after an EOS where the grammar could go on (drafts past it under
+            # ignore_eos) the next step's EOS ends it instead
+            if not seen_eos and self.matcher.is_stopped():
                 self.ended_at_eos = True
                 return True
+            seen_eos = True
         return self._consume(run)
 
     def _consume(self, token_ids: list[int]) -> bool:
