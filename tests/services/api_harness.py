@@ -36,7 +36,7 @@ class FakeEngine:
     aborted: list = field(default_factory=list)
     tenants: list = field(default_factory=list)  # (tenant, weight) of each add
     lora_names: list = field(default_factory=list)  # the LoRA adapter of each add
-    rides: list = field(default_factory=list)  # (req_id, batch_id) of each add
+    batch_ids: list = field(default_factory=list)  # (req_id, batch_id) of each add
     queue_state: QueueState = field(default_factory=lambda: QueueState(is_full=False))
     # what fresh_health() returns: None plays a dead link or a stale snapshot
     health: HealthSnapshot | None = field(default_factory=lambda: HealthSnapshot(
@@ -52,7 +52,7 @@ class FakeEngine:
         self.added.append((req_id, list(ids), params, cache_salt))
         self.tenants.append((tenant, tenant_weight))
         self.lora_names.append(lora_name)
-        self.rides.append((req_id, batch_id))
+        self.batch_ids.append((req_id, batch_id))
         queue: asyncio.Queue = asyncio.Queue()
         if self.script is not None:
             for out in self.script(req_id, params):

@@ -26,7 +26,7 @@ class PromptEchoEngine(FakeEngine):
     async def add(self, req_id, ids, params, traceparent=None, cache_salt=None,
                   tenant=None, tenant_weight=1.0, lora_name=None, batch_id=None):
         self.added.append((req_id, list(ids), params, cache_salt))
-        self.rides.append((req_id, batch_id))
+        self.batch_ids.append((req_id, batch_id))
         queue: asyncio.Queue = asyncio.Queue()
 
         async def deliver():
@@ -64,7 +64,7 @@ def test_a_batch_of_token_id_prompts_with_n_2_orders_choices_by_prompt(smollm_to
         assert sorted(ids for _, ids, _, _ in engine.added) == prompts
         assert len({req_id for req_id, *_ in engine.added}) == 3
         # every prompt names the request: the engine admits the request whole
-        sub_ids, batch_ids = zip(*engine.rides)
+        sub_ids, batch_ids = zip(*engine.batch_ids)
         assert len(set(batch_ids)) == 1 and all(i.startswith(batch_ids[0] + "-")
                                                 for i in sub_ids)
     asyncio.run(main())
