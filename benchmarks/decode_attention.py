@@ -13,10 +13,21 @@ reference (make_plan, paid once per step, not per layer).
     .venv/bin/python benchmarks/decode_attention.py --dtype bfloat16 --build-times
     .venv/bin/python benchmarks/decode_attention.py --dtype bfloat16 --shapes 1:170 64:170 \
         --block-size 128
+
+With ``--base DIR`` (another checkout, in its own folder) only the kernel is timed, in a
+process per checkout (the extension is built per source folder), base then this one,
+alternated ``--pairs`` times, and the ratio base / this is printed per shape. ``--hot``
+keeps one layer's cache, so the keys and values stay in the caches: the kernel's
+arithmetic, not the memory, is timed.
+
+    git worktree add /tmp/base <rev>
+    .venv/bin/python benchmarks/decode_attention.py --dtype bfloat16 --base /tmp/base --hot \
+        --threads 1 --shapes 1:128 1:2048 64:170 --v-pass paired
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
@@ -32,8 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.machine import cpu_model_and_flags  # noqa: E402
 
-from kernels import cpu_paged_attention as cpa  # noqa: E402
-from kernels.paged_attention import make_plan, paged_attention_reference  # noqa: E402
+HERE = Path(__file__).resolve().parents[1]
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 9, 3, 64, 16, 30
 LLC_BYTES = 33 << 20
@@ -82,7 +92,24 @@ def time_per_call(fn, caches, rounds):
     return statistics.median(per_call) * 1e3
 
 
-def bench(batch, context, dtype, rounds, block_size=BLOCK_SIZE, huge_pages=False):
+def kernel_ms(batch, context, dtype, rounds, block_size=BLOCK_SIZE, huge_pages=False,
+              hot=False, v_pass=None):
+    """Milliseconds per layer call of the kernel alone (``hot``: one layer's cache;
+    ``v_pass``: the kernel's V pass, None for its default)."""
+    from kernels import cpu_paged_attention as cpa
+    query, caches, tables, lens = make_batch(batch, context, dtype, block_size=block_size,
+                                             huge_pages=huge_pages)
+    caches = caches[:1] if hot else caches
+    extra = {} if v_pass is None else {"v_pass": v_pass}
+    return time_per_call(lambda cache: cpa.paged_attention_decode(
+        query, cache, tables, lens, HEAD_DIM ** -0.5, **extra), caches * (30 if hot else 1),
+        rounds)
+
+
+def bench(batch, context, dtype, rounds, block_size=BLOCK_SIZE, huge_pages=False,
+          v_pass="widened"):
+    from kernels import cpu_paged_attention as cpa
+    from kernels.paged_attention import make_plan, paged_attention_reference
     query, caches, tables, lens = make_batch(batch, context, dtype, block_size=block_size,
                                              huge_pages=huge_pages)
     scale = HEAD_DIM ** -0.5
@@ -95,7 +122,7 @@ def bench(batch, context, dtype, rounds, block_size=BLOCK_SIZE, huge_pages=False
         return paged_attention_reference(query, kv, kv, cache, plan, scale)
 
     def kernel(cache):
-        return cpa.paged_attention_decode(query, cache, tables, lens, scale)
+        return cpa.paged_attention_decode(query, cache, tables, lens, scale, v_pass=v_pass)
 
     err = (ref(caches[0]).float() - kernel(caches[0]).float()).abs().max().item()
     ref_ms = time_per_call(ref, caches, rounds)
@@ -125,6 +152,53 @@ def build_times():
     return times
 
 
+def child(args, shapes) -> None:
+    """Runs inside one checkout (cwd): prints the kernel's ms per shape as JSON."""
+    sys.path.insert(0, str(Path.cwd()))
+    from kernels import cpu_paged_attention as cpa
+    assert cpa.is_available(), cpa.unavailable_reason()
+    dtype = getattr(torch, args.dtype)
+    out = {f"{b}:{c}": kernel_ms(b, c, dtype, args.rounds, args.block_size, args.huge_pages,
+                                 args.hot, args.v_pass) for b, c in shapes}
+    print("RESULT " + json.dumps(out))
+
+
+def run_checkout(root: Path, args, v_pass=None) -> dict[str, float]:
+    cmd = [sys.executable, str(HERE / "benchmarks" / "decode_attention.py"), "--child",
+           "--dtype", args.dtype, "--threads", str(args.threads), "--rounds", str(args.rounds),
+           "--block-size", str(args.block_size), "--shapes", *args.shapes,
+           *(["--huge-pages"] if args.huge_pages else []), *(["--hot"] if args.hot else []),
+           *(["--v-pass", v_pass] if v_pass else [])]
+    done = subprocess.run(cmd, cwd=root, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+    if done.returncode != 0 or line is None:
+        raise SystemExit(f"{root}: exit {done.returncode}\n{done.stderr[-2000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def against_base(args) -> None:
+    """The kernel of ``args.base`` and of this checkout, alternated, per shape."""
+    pairs = []
+    for p in range(args.pairs):
+        base = run_checkout(args.base.resolve(), args)  # its default V pass
+        this = run_checkout(HERE, args, args.v_pass)
+        pairs.append({"base_ms": base, "this_ms": this})
+        for shape in args.shapes:
+            print(f"pair {p + 1} {shape:>9}: base {base[shape]:8.4f} ms, this "
+                  f"{this[shape]:8.4f} ms, base / this {base[shape] / this[shape]:.2f}x",
+                  flush=True)
+    for shape in args.shapes:
+        ratios = [q["base_ms"][shape] / q["this_ms"][shape] for q in pairs]
+        print(f"{shape:>9}: base / this median {statistics.median(ratios):.2f}x "
+              f"({min(ratios):.2f}-{max(ratios):.2f})")
+    if args.json:
+        from benchmarks.machine import machine_facts
+        args.json.write_text(json.dumps({"machine": machine_facts(),
+                                         "args": {k: str(v) for k, v in vars(args).items()},
+                                         "pairs": pairs}, indent=1))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="float32",
@@ -139,24 +213,45 @@ def main():
                     help="the caches on 2 MB pages, as worker.huge_pages puts the KV pool")
     ap.add_argument("--build-times", action="store_true",
                     help="also time a cold build and a warm load in subprocesses")
+    ap.add_argument("--hot", action="store_true",
+                    help="with --base: one layer's cache, its keys and values kept in cache")
+    ap.add_argument("--base", type=Path,
+                    help="another checkout: time its kernel and this one's, alternated")
+    ap.add_argument("--pairs", type=int, default=3, help="with --base: alternations")
+    ap.add_argument("--json", type=Path, help="with --base: write the pairs here")
+    ap.add_argument("--v-pass", choices=["widened", "paired"],
+                    help="this checkout's V pass (bf16; worker/decode_v_pass.py chooses one "
+                         "in the engine); with --base the base takes its default")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    shapes = [tuple(int(v) for v in shape.split(":")) for shape in args.shapes]
+    if args.child:
+        return child(args, shapes)
+    model, flags = cpu_model_and_flags()
+    if args.base is not None:
+        print(f"{model}; {' '.join(flags)}")
+        print(f"decode attention kernel, {args.dtype}, {args.threads} threads, "
+              f"{'hot' if args.hot else 'cold'} caches, this checkout's V pass "
+              f"{args.v_pass or 'default'}; ms per layer call")
+        return against_base(args)
+    from kernels import cpu_paged_attention as cpa
     if args.build_times:
         t = build_times()
         print(f"extension build: cold {t['cold']:.1f} s, warm load {t['warm']:.2f} s")
     assert cpa.is_available(), cpa.unavailable_reason()
     dtype = getattr(torch, args.dtype)
-    shapes = [tuple(int(v) for v in shape.split(":")) for shape in args.shapes]
-    model, flags = cpu_model_and_flags()
     print(f"{model}; {' '.join(flags)}")
     print(f"decode attention, {args.dtype}, {args.threads} threads, H={NUM_HEADS} "
           f"kvH={NUM_KV_HEADS} hd={HEAD_DIM} block={args.block_size}"
-          f"{', 2 MB pages' if args.huge_pages else ''}; ms per layer call")
+          f"{', 2 MB pages' if args.huge_pages else ''}, V pass {args.v_pass or 'widened'}; "
+          "ms per layer call")
     print(f"{'batch':>5} {'ctx':>4} {'KV MB':>7} {'reference':>10} {'kernel':>8} "
           f"{'speedup':>7} {'kernel GB/s':>11} {'x30 layers ref/kernel':>22} "
           f"{'plan/step':>9} {'max err':>8}")
     for batch, context in shapes:
-        r = bench(batch, context, dtype, args.rounds, args.block_size, args.huge_pages)
+        r = bench(batch, context, dtype, args.rounds, args.block_size, args.huge_pages,
+                  args.v_pass or "widened")
         print(f"{r['batch']:>5} {r['context']:>4} {r['kv_mb']:>7.1f} "
               f"{r['ref_ms']:>10.2f} {r['kernel_ms']:>8.2f} {r['speedup']:>6.1f}x "
               f"{r['kernel_gbs']:>11.1f} "

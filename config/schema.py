@@ -168,6 +168,7 @@ class CacheConfig:
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 PREFILL_ATTENTIONS = ("sdpa", "native", "amx")  # amx: native's older name
+DECODE_V_PASSES = ("widened", "paired", "auto")
 LINEAR_BACKENDS = ("auto", "native", "kernel", "widen", "int8", "int16", "bf16dot", "amx",
                    "mkldnn")
 
@@ -190,6 +191,14 @@ class WorkerConfig:
                                 "1.4-5.9x faster on AMX, closer to float32; without "
                                 "AVX512-BF16 sdpa runs; amx: the older name of native). "
                                 "README: 'AMX prefill attention'")
+    decode_v_pass: str = _f("widened", "CPU, native attention backend, bf16 model and KV "
+                            "cache: how the decode kernel weighs the value rows. widened "
+                            "(float32 FMAs on float32 probabilities), paired (two keys a "
+                            "lane with AVX512-BF16 vdpbf16ps, the probabilities rounded to "
+                            "bf16: 1.1-1.2x attention on a Zen 4, greedy answers can "
+                            "change) or auto (paired where it measures faster at start-up, "
+                            "cached per machine; widened in deterministic mode). README: "
+                            "'Decode V pass'")
     omp_spin_count: int | None = _f(3000, "CPU: GOMP_SPINCOUNT for the worker process, "
                                     "how long an OpenMP thread spins before it sleeps "
                                     "(libgomp's default, 300000, made a short request's first "
@@ -251,6 +260,8 @@ class WorkerConfig:
                f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _check(self.prefill_attention in PREFILL_ATTENTIONS, "worker.prefill_attention",
                f"must be one of {PREFILL_ATTENTIONS}, got {self.prefill_attention!r}")
+        _check(self.decode_v_pass in DECODE_V_PASSES, "worker.decode_v_pass",
+               f"must be one of {DECODE_V_PASSES}, got {self.decode_v_pass!r}")
         _check(self.num_threads >= 0, "worker.num_threads", "must be non-negative")
         _check(self.omp_spin_count is None or (
             isinstance(self.omp_spin_count, int) and self.omp_spin_count >= 0),

@@ -12,8 +12,16 @@ import torch
 from kernels import cpu_extension
 from kernels.cpu_extension import DISABLE_ENV, is_available, unavailable_reason
 
-__all__ = ["DISABLE_ENV", "is_available", "paged_attention_decode", "prefill_attention",
-           "prefill_attention_available", "prefill_attention_on_tiles", "unavailable_reason"]
+__all__ = ["DISABLE_ENV", "V_PASSES", "decode_v_passes", "is_available",
+           "paged_attention_decode", "prefill_attention", "prefill_attention_available",
+           "prefill_attention_on_tiles", "unavailable_reason"]
+
+# The decode kernel's V passes for a bf16 cache under bf16 queries: "widened" (values
+# widened to float32, FMAs; the default) and, built with AVX512-BF16, "paired" (two keys
+# a lane with `vdpbf16ps`, probabilities rounded to bf16; worker/decode_v_pass.py
+# chooses by measurement). Other dtypes always widen.
+V_PASSES = ("widened", "paired")
+_V_PASS_INDEX = {name: i for i, name in enumerate(V_PASSES)}
 
 _prefill_available: bool | None = None
 
@@ -21,7 +29,8 @@ _prefill_available: bool | None = None
 def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            scale: float, sliding_window: int | None = None,
-                           batch_invariant: bool = False) -> torch.Tensor:
+                           batch_invariant: bool = False,
+                           v_pass: str = "widened") -> torch.Tensor:
     """Attention of one query token per request over its paged keys and values.
 
     ``query`` ``[num_decodes, num_heads, head_dim]``; ``kv_cache`` contiguous
@@ -37,15 +46,31 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor,
 
     With ``batch_invariant`` a request's result has the same bits whatever else is in the
     batch and at any thread count; without it, one or two requests' keys are split
-    finer over the threads, which changes the order of their sums.
+    finer over the threads, which changes the order of their sums. ``v_pass`` (one of
+    :func:`decode_v_passes`) is the V pass of a bf16 cache under bf16 queries.
     """
     ops = cpu_extension.require()
+    v_index = _V_PASS_INDEX.get(v_pass)
+    if v_index is None or v_index >= len(decode_v_passes()):
+        raise ValueError(f"decode V pass {v_pass!r} is not built here; "
+                         f"have {', '.join(decode_v_passes())}")
     if block_tables.dtype != torch.int64:
         block_tables = block_tables.to(torch.int64)
     if seq_lens.dtype != torch.int64:
         seq_lens = seq_lens.to(torch.int64)
     return ops.paged_attention_decode(query, kv_cache, block_tables, seq_lens, float(scale),
-                                      sliding_window, batch_invariant)
+                                      sliding_window, batch_invariant, v_index)
+
+
+_v_passes: tuple[str, ...] | None = None
+
+
+def decode_v_passes() -> tuple[str, ...]:
+    """The V passes this build of the decode kernel has."""
+    global _v_passes
+    if _v_passes is None:
+        _v_passes = V_PASSES[:cpu_extension.require().decode_v_passes()]
+    return _v_passes
 
 
 def prefill_attention_available() -> bool:

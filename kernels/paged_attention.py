@@ -83,6 +83,7 @@ class PagedAttentionPlan:
     native: bool = False  # the native CPU kernels run this step's attention
     fresh: FreshPrefills | None = None  # native, native_prefill: the fresh segments, the rest
     batch_invariant: bool = False  # native: rows' results may not depend on the batch
+    decode_v_pass: str = "widened"  # native: the decode kernel's V pass (bf16)
 
     def to(self, device: torch.device) -> "PagedAttentionPlan":
         """The reference's tensors moved to ``device`` (the torch backend on a GPU)."""
@@ -94,7 +95,7 @@ class PagedAttentionPlan:
                                   move(self.decode_mask), prefills,
                                   move(self.decode_block_tables), move(self.decode_seq_lens),
                                   self.sliding_window, self.ragged, self.native, self.fresh,
-                                  self.batch_invariant)
+                                  self.batch_invariant, self.decode_v_pass)
 
 
 def _positions_to_slots(block_table: torch.Tensor, positions: torch.Tensor,
@@ -106,14 +107,16 @@ def _positions_to_slots(block_table: torch.Tensor, positions: torch.Tensor,
 def make_plan(query_start_loc: list[int], seq_lens: list[int], block_tables: torch.Tensor,
               block_size: int, sliding_window: int | None = None,
               use_native_decode: bool = False, native_prefill: bool = False,
-              batch_invariant: bool = False) -> PagedAttentionPlan:
+              batch_invariant: bool = False,
+              decode_v_pass: str = "widened") -> PagedAttentionPlan:
     """Derive the step's plan for a batch ordered decodes first.
 
     ``use_native_decode`` hands decodes to the native CPU kernel, and with
     ``native_prefill`` (worker.prefill_attention: native) fresh prompt segments to the
     native one (see kernels/cpu_paged_attention.py); the caller checks that they are
     available and that the kernel's contract holds (bf16, head_dim 64 or 128). ``batch_invariant``
-    (deterministic mode) keeps the native kernel's work split from depending on the batch.
+    (deterministic mode) keeps the native kernel's work split from depending on the batch;
+    ``decode_v_pass`` is the native decode kernel's V pass (worker/decode_v_pass.py).
     """
     num_reqs = len(seq_lens)
     query_lens = [query_start_loc[r + 1] - query_start_loc[r] for r in range(num_reqs)]
@@ -162,7 +165,7 @@ def make_plan(query_start_loc: list[int], seq_lens: list[int], block_tables: tor
     return PagedAttentionPlan(num_decodes, decode_slots, decode_mask, prefills,
                               decode_tables, decode_lens, sliding_window,
                               native=use_native_decode, fresh=fresh,
-                              batch_invariant=batch_invariant)
+                              batch_invariant=batch_invariant, decode_v_pass=decode_v_pass)
 
 
 def pack_aligned(parts: list, dtype, device: torch.device) -> list[torch.Tensor]:
@@ -296,7 +299,8 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         from kernels.cpu_paged_attention import paged_attention_decode
         decoded = paged_attention_decode(query[:plan.num_decodes], kv_cache,
                                          plan.decode_block_tables, plan.decode_seq_lens,
-                                         scale, plan.sliding_window, plan.batch_invariant)
+                                         scale, plan.sliding_window, plan.batch_invariant,
+                                         plan.decode_v_pass)
         if not plan.prefills:
             return decoded
         out[:plan.num_decodes] = decoded

@@ -39,6 +39,8 @@ class AttentionBackend:
     num_sms: int | None = None  # triton on CUDA: multiprocessors; None never splits KV
     per_token_rows: bool = False  # native-cpu, deterministic mode: one decode row a token
     native_prefill: bool = False  # native-cpu: fresh bf16 prompt segments on Folio's kernel
+    decode_v_pass: str = "widened"  # native-cpu: the decode kernel's V pass (bf16 model
+    #                                 and cache; worker/decode_v_pass.py)
 
     @property
     def is_triton(self) -> bool:

@@ -161,7 +161,8 @@ def batch_tensors(arrays: StepArrays, logits_indices: list[int], block_size: int
     else:
         plan = make_plan(qsl, seq_lens, torch.from_numpy(block_tables),
                          block_size, sliding_window, backend.name == NATIVE_CPU,
-                         backend.native_prefill, backend.per_token_rows)
+                         backend.native_prefill, backend.per_token_rows,
+                         backend.decode_v_pass)
         if device.type != "cpu":
             plan = plan.to(device)
     if device.type == "cpu":

@@ -155,7 +155,7 @@ def fastest(timings: dict[str, list]) -> list[str]:
     return chosen
 
 
-def _read_table(path: Path | None) -> dict:
+def read_table(path: Path | None) -> dict:
     if path is None or not path.is_file():
         return {}
     try:
@@ -169,7 +169,7 @@ def machine_is_busy() -> bool:
     return os.getloadavg()[0] > (os.cpu_count() or 1)
 
 
-def _write_table(path: Path | None, entries: dict) -> None:
+def write_table(path: Path | None, entries: dict) -> None:
     if path is None:
         return
     if machine_is_busy():
@@ -224,7 +224,7 @@ def choose_linear_backends(model: nn.Module, backend: str = "auto") -> dict[str,
             table[key] = [backend if backend in options else options[0]] * len(ROW_BUCKETS)
     else:
         path = table_path()
-        cached = _read_table(path)
+        cached = read_table(path)
         table = {key: cached[key] for key in by_key if key in cached}
         source = "cached" if len(table) == len(by_key) else "measured"
         head_key, skipped = shape_key(layers[-1][2]), []
@@ -238,7 +238,7 @@ def choose_linear_backends(model: nn.Module, backend: str = "auto") -> dict[str,
             table[key] = _measure(ws, model.norm.weight.dtype,
                                   _HEAD_MAX_ROWS if key == head_key else ROW_BUCKETS[-1])
         if source == "measured":
-            _write_table(path, {**cached, **{k: v for k, v in table.items()
+            write_table(path, {**cached, **{k: v for k, v in table.items()
                                              if k not in skipped}})
         if skipped:
             log.info("linear backends past the time budget keep their defaults",

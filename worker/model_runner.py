@@ -14,6 +14,7 @@ from engine_core.scheduler_output import SchedulerOutput
 from observability.logging import get_logger
 from worker.attention_backend import (NATIVE_CPU, AttentionBackend, check_kv_cache_dtype,
                                      choose_attention_backend, make_attention_backend)
+from worker.decode_v_pass import choose_decode_v_pass
 from worker.deterministic import make_deterministic
 from worker.device import resolve_device, resolve_dtype
 from worker.distributed.step_channel import StepChannel
@@ -150,6 +151,16 @@ class ModelRunner:
                 backend = replace(backend, native_prefill=True)
                 log.debug("prefill attention", kernel="native",
                           on_tiles=cpu_paged_attention.prefill_attention_on_tiles())
+        if self.worker_config.decode_v_pass != "widened":
+            applies = name == NATIVE_CPU and self.dtype == self.kv_cache_dtype == torch.bfloat16
+            backend = replace(backend, decode_v_pass=choose_decode_v_pass(
+                self.worker_config.decode_v_pass, self.model.shard.num_heads,
+                self.model.shard.num_kv_heads, self.arch.head_dim,
+                self.worker_config.deterministic) if applies else "widened")
+            if not applies:
+                log.warning(f"worker.decode_v_pass={self.worker_config.decode_v_pass} needs "
+                            "the native CPU attention backend, a bf16 model and a bf16 KV "
+                            "cache: the decode kernel widens")
         if self.worker_config.deterministic:
             backend = make_deterministic(self.model, backend)
         return backend

@@ -244,7 +244,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     const std::vector<int64_t>& meta, const at::Tensor& kv_cache,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     const at::Tensor& cos, const at::Tensor& sin, double eps, double scale,
-    std::optional<int64_t> sliding_window) {
+    std::optional<int64_t> sliding_window, int64_t v_pass) {
   TORCH_CHECK(w.size() == kNumSlots, "decode_layer: weights must hold ", kNumSlots, " entries");
   TORCH_CHECK(meta.size() == kNumMeta, "decode_layer: meta must hold ", kNumMeta, " ints");
   check(hidden, w.data(), meta.data(), kv_cache, slot_mapping, cos, sin);
@@ -282,7 +282,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
   });
   // never in batch-invariant mode (worker/models/fused_decode.py)
   const at::Tensor attn = paged_attention_decode(q, kv_cache, block_tables, seq_lens, scale,
-                                                 sliding_window, /*batch_invariant=*/false)
+                                                 sliding_window, /*batch_invariant=*/false,
+                                                 v_pass)
                               .view({rows, heads * hd});
   const at::Tensor o = linear(attn, w[kO], w[kOScales], c10::nullopt, lm + 3);
   std::tie(h, res) = rms_norm(o, *w[kPostNorm], eps, res);
@@ -472,7 +473,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_stacked(
     const std::vector<int64_t>& meta, const std::vector<at::Tensor>& kv_caches,
     const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
     const at::Tensor& cos, const at::Tensor& sin, double eps, double scale,
-    std::optional<int64_t> sliding_window) {
+    std::optional<int64_t> sliding_window, int64_t v_pass) {
   const int64_t R = hidden.size(0), H = hidden.size(1), heads = meta[kHeads],
                 kv_heads = meta[kKvHeads],
                 hd = meta[kHeadDim], qkv_n = (heads + 2 * kv_heads) * hd,
@@ -486,7 +487,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers_stacked(
   const int team_size = at::get_num_threads();
   // every layer's attention has the same block tables and lengths: planned once
   const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
-  TeamAttention attention(attn, kv_caches[0], tables, lens, scale, sliding_window, team_size);
+  TeamAttention attention(attn, kv_caches[0], tables, lens, scale, sliding_window, team_size,
+                          v_pass);
   const int64_t plane = kv_caches[0].size(1) * kv_caches[0].size(2) * kv_heads * hd;
   const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
   const T* x_in = hidden.const_data_ptr<T>();
@@ -589,7 +591,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const at::Tensor& hidden, const std::vector<OptTensor>& w, const std::vector<int64_t>& meta,
     const std::vector<at::Tensor>& kv_caches, const at::Tensor& slot_mapping,
     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& cos,
-    const at::Tensor& sin, double eps, double scale, std::optional<int64_t> sliding_window) {
+    const at::Tensor& sin, double eps, double scale, std::optional<int64_t> sliding_window,
+    int64_t v_pass) {
   const auto layers = static_cast<int64_t>(kv_caches.size());
   TORCH_CHECK(static_cast<int64_t>(w.size()) == layers * kNumSlots,
               "decode_layers: weights must hold ", kNumSlots, " entries per layer");
@@ -602,7 +605,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
       using T = decltype(tag);
       result = decode_layers_stacked<T>(hidden, *row, meta, kv_caches, slot_mapping,
                                         block_tables, seq_lens, cos, sin, eps, scale,
-                                        sliding_window);
+                                        sliding_window, v_pass);
     });
     return result;
   }
@@ -612,7 +615,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
     const std::vector<OptTensor> wi(w.begin() + i * kNumSlots, w.begin() + (i + 1) * kNumSlots);
     const std::vector<int64_t> mi(meta.begin() + i * kNumMeta, meta.begin() + (i + 1) * kNumMeta);
     auto [out, r] = decode_layer(h, res, wi, mi, kv_caches[i], slot_mapping, block_tables,
-                                 seq_lens, cos, sin, eps, scale, sliding_window);
+                                 seq_lens, cos, sin, eps, scale, sliding_window, v_pass);
     h = std::move(out);
     res = std::move(r);
   }
@@ -646,12 +649,12 @@ TORCH_LIBRARY_FRAGMENT(folio, m) {
   // qkv_tail (zeros without one).
   m.def("decode_layer(Tensor hidden, Tensor? residual, Tensor?[] weights, int[] meta, "
         "Tensor(a!) kv_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
-        "Tensor cos, Tensor sin, float eps, float scale, int? sliding_window=None) "
-        "-> (Tensor, Tensor)");
+        "Tensor cos, Tensor sin, float eps, float scale, int? sliding_window=None, "
+        "int v_pass=0) -> (Tensor, Tensor)");
   // decode_layer for every layer: weights and meta concatenated layer after layer
   m.def("decode_layers(Tensor hidden, Tensor?[] weights, int[] meta, Tensor(a!)[] kv_caches, "
         "Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor cos, Tensor sin, "
-        "float eps, float scale, int? sliding_window=None) -> (Tensor, Tensor)");
+        "float eps, float scale, int? sliding_window=None, int v_pass=0) -> (Tensor, Tensor)");
   // whether decode_layers runs these operands in one parallel region (the row stack)
   m.def("decode_layers_stack_takes(Tensor hidden, Tensor?[] weights, int[] meta, "
         "Tensor[] kv_caches, Tensor slot_mapping, Tensor cos, Tensor sin) -> bool");

@@ -37,11 +37,12 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
                                             double eps,
                                             const c10::optional<at::Tensor>& residual);
 
-// paged_attention_decode.cpp: one query token per request over its paged K/V.
+// paged_attention_decode.cpp: one query token per request over its paged K/V; v_pass:
+// 0 widened, 1 paired (a bf16 cache under bf16 queries, built with AVX512-BF16).
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& kv_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                   double scale, std::optional<int64_t> sliding_window,
-                                  bool batch_invariant);
+                                  bool batch_invariant, int64_t v_pass);
 
 // paged_attention_decode.cpp: one decode call's attention shared out among a team of
 // threads that each call work() (decode_layer.cpp's one-row stack, which runs a step's
@@ -54,7 +55,7 @@ class TeamAttention {
  public:
   TeamAttention(const at::Tensor& query, const at::Tensor& kv_cache,
                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                std::optional<int64_t> sliding_window, int64_t team_size);
+                std::optional<int64_t> sliding_window, int64_t team_size, int64_t v_pass);
   ~TeamAttention();
   void reset();
   // query [rows, heads, hd] in the query's dtype, cache as kv_cache, out like query

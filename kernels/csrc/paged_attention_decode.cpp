@@ -32,7 +32,9 @@
 // accumulator acc_g = sum exp(s - m_g) * v. Per chunk and kv head: the K pass computes
 // the scores, the chunk max raises m_g (l_g and acc_g rescaled by exp(m_old - m_new)),
 // then the V pass adds exp(s - m_new) * v. Output = acc_g / l_g. All arithmetic is
-// float32 whatever the storage dtype (bf16/fp16 are widened as they are loaded). The
+// float32 whatever the storage dtype (bf16/fp16 are widened as they are loaded), with
+// one exception: bf16 queries on a bf16 cache with AVX512-BF16 take the probabilities
+// in bf16 for the V pass (accumulate_bf16). The
 // cache may hold fp8 (memory.kv_cache_dtype, scale 1.0) under 16- or 32-bit queries:
 // its rows are widened the same way (template parameter C, the cache's element type).
 // Meanwhile the next chunk's rows, and the thread's next work item, are prefetched (see
@@ -81,6 +83,7 @@ struct Shape {
   int64_t kv_per_item;   // kv heads per work item (a contiguous range of them)
   int64_t items_per_req;
   int64_t partition;     // visible keys per partition (Plan), a multiple of kChunk
+  bool paired_v = false; // the V pass of a bf16 cache under bf16 queries (VPass)
 };
 
 // Element offsets of a request's slot rows, position after position: the (block index,
@@ -96,6 +99,19 @@ struct SlotWalker {
     const int64_t o = (table[bi] * block_size + off) * slot_stride;
     if (++off == block_size) { off = 0; ++bi; }
     return o;
+  }
+  // The next `count` offsets into `out`: one block-table read per block, the run inside
+  // a block a stride apart.
+  void fill(int64_t* out, int64_t count) {
+    while (count > 0) {
+      const int64_t run = std::min(count, block_size - off);
+      const int64_t base = (table[bi] * block_size + off) * slot_stride;
+      for (int64_t i = 0; i < run; ++i) out[i] = base + i * slot_stride;
+      out += run;
+      count -= run;
+      off += run;
+      if (off == block_size) { off = 0; ++bi; }
+    }
   }
 };
 
@@ -321,6 +337,108 @@ void scores_bf16(const c10::BFloat16* q, int64_t G, const c10::BFloat16* const* 
     }
   }
 }
+
+// The V pass of a bf16 cache as `vdpbf16ps`: the probabilities, rounded to bf16, pair up
+// two keys, and each lane adds p_j * v_j[i] + p_{j+1} * v_{j+1}[i] in float32 (l keeps
+// the float sums: the weights' rounding, under 2^-9 of each, stays below half a step of
+// the bf16 output; FlashAttention also takes P in 16 bits for P V). The two keys' rows
+// are interleaved element by element (unpacklo/hi_epi16, within each 128-bit lane), so
+// the accumulators hold a head's dims in a fixed permuted order (PairOrder, below); the
+// online softmax only scales them, and attend_one puts them back in order at the end.
+// `pb` holds the probabilities' bf16 bits ([G, kChunk], zero past n: n may be odd).
+//
+// PairOrder: in each 32-dim segment of a head's accumulator, the first 16 floats (lo)
+// hold, per 128-bit lane L, dims 8L..8L+3 and the next 16 (hi) dims 8L+4..8L+7.
+// unpermute() restores dim order: out = [lo.L0 hi.L0 lo.L1 hi.L1 | lo.L2 hi.L2 lo.L3 hi.L3].
+template <int64_t HD>
+struct PairOrder {
+  static void unpermute(float* acc, int64_t heads) {
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t u = 0; u < HD / 32; ++u) {
+        float* seg = acc + h * HD + 32 * u;
+        const __m512 lo = _mm512_loadu_ps(seg), hi = _mm512_loadu_ps(seg + 16);
+        // [lo.L0 lo.L1 hi.L0 hi.L1] -> [lo.L0 hi.L0 lo.L1 hi.L1], and likewise L2, L3
+        const __m512 a = _mm512_shuffle_f32x4(lo, hi, 0x44), b = _mm512_shuffle_f32x4(lo, hi, 0xEE);
+        _mm512_storeu_ps(seg, _mm512_shuffle_f32x4(a, a, 0xD8));
+        _mm512_storeu_ps(seg + 16, _mm512_shuffle_f32x4(b, b, 0xD8));
+      }
+  }
+};
+
+template <int64_t HD, int B>
+void accumulate_bf16_block(float* acc, const uint16_t* pb, const c10::BFloat16* const* rows,
+                           int64_t n, Prefetcher& pf) {
+  constexpr int NS = HD / 32;
+  __m512 a[B][2 * NS];
+#pragma GCC unroll 8
+  for (int b = 0; b < B; ++b)
+#pragma GCC unroll 8
+    for (int u = 0; u < 2 * NS; ++u) a[b][u] = _mm512_loadu_ps(acc + b * HD + 16 * u);
+  for (int64_t j = 0; j < n; j += 2) {
+    if (j % kLanes == 0) pf.step();
+    const c10::BFloat16* r0 = rows[j];
+    const c10::BFloat16* r1 = rows[std::min<int64_t>(j + 1, n - 1)];  // p = 0 past n
+    __m512i lo[NS], hi[NS];
+#pragma GCC unroll 8
+    for (int u = 0; u < NS; ++u) {
+      const __m512i x = _mm512_loadu_si512(reinterpret_cast<const void*>(r0 + 32 * u));
+      const __m512i y = _mm512_loadu_si512(reinterpret_cast<const void*>(r1 + 32 * u));
+      lo[u] = _mm512_unpacklo_epi16(x, y);
+      hi[u] = _mm512_unpackhi_epi16(x, y);
+    }
+#pragma GCC unroll 8
+    for (int b = 0; b < B; ++b) {
+      uint32_t pair;
+      std::memcpy(&pair, pb + b * kChunk + j, sizeof pair);
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+#pragma GCC unroll 8
+      for (int u = 0; u < NS; ++u) {
+        a[b][2 * u] = _mm512_dpbf16_ps(a[b][2 * u], p, (__m512bh)lo[u]);
+        a[b][2 * u + 1] = _mm512_dpbf16_ps(a[b][2 * u + 1], p, (__m512bh)hi[u]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int b = 0; b < B; ++b)
+#pragma GCC unroll 8
+    for (int u = 0; u < 2 * NS; ++u) _mm512_storeu_ps(acc + b * HD + 16 * u, a[b][u]);
+}
+
+template <int64_t HD, int B>
+void accumulate_bf16_rest(float* acc, const uint16_t* pb, const c10::BFloat16* const* rows,
+                          int64_t n, int64_t left, Prefetcher& pf) {
+  if constexpr (B > 0) {
+    if (left == B) return accumulate_bf16_block<HD, B>(acc, pb, rows, n, pf);
+    accumulate_bf16_rest<HD, B - 1>(acc, pb, rows, n, left, pf);
+  }
+}
+
+// acc [G, HD] (PairOrder) += p [G, kChunk] (rounded to bf16) times the chunk's V rows.
+template <int64_t HD>
+void accumulate_bf16(float* acc, int64_t G, const float* p, const c10::BFloat16* const* rows,
+                     int64_t n, uint16_t* pb, Prefetcher& pf) {
+  constexpr int GB = HD / 32 >= 4 ? 2 : 4;  // heads whose accumulators fit the registers
+  const int64_t padded = (n + kLanes - 1) / kLanes * kLanes;
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t j = 0; j < padded; j += kLanes)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + g * kChunk + j),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + g * kChunk + j)));
+  int64_t g = 0;
+  for (; g + GB <= G; g += GB)
+    accumulate_bf16_block<HD, GB>(acc + g * HD, pb + g * kChunk, rows, n, pf);
+  if (g < G) accumulate_bf16_rest<HD, GB>(acc + g * HD, pb + g * kChunk, rows, n, G - g, pf);
+}
+#endif
+
+// The V passes a bf16 cache under bf16 queries can take (a call's v_pass): kWidenedV, the
+// rows widened to float32 for FMAs (the default), and where AVX512-BF16 is built,
+// kPairedV (accumulate_bf16). The worker picks one by measurement
+// (worker/decode_v_pass.py): vdpbf16ps retires at half the FMA rate on some cores.
+enum VPass : int64_t { kWidenedV = 0, kPairedV = 1 };
+#ifdef FOLIO_ATTN_BF16DOT
+constexpr int64_t kLastVPass = kPairedV;
+#else
+constexpr int64_t kLastVPass = kWidenedV;
 #endif
 
 // Online-softmax step for one head over a chunk: s[0, n) are its scores (the row is
@@ -364,6 +482,7 @@ struct Scratch {
   std::vector<float> keys;         // [kChunk, hd] a chunk's keys widened to float
   std::vector<int64_t> offs;       // [kChunk] element offsets of a chunk's slot rows
   std::vector<int64_t> next_offs;  // [kChunk] the same for the next chunk (prefetch)
+  std::vector<uint16_t> pb;        // [G, kChunk] probabilities as bf16 (bf16 V pass)
   explicit Scratch(const Shape& sh) {
     const int64_t nh = sh.kv_per_item * sh.group;
     q.resize(nh * sh.head_dim);
@@ -375,6 +494,7 @@ struct Scratch {
     keys.resize(kChunk * sh.head_dim);
     offs.resize(kChunk);
     next_offs.resize(kChunk);
+    pb.resize(sh.group * kChunk);
   }
 };
 
@@ -502,9 +622,8 @@ void merge_partials(const Shape& sh, const Item& g, const float* partials, int64
 
 // `it`'s first chunk (at most kChunk slots) into `offs`; returns the slot count.
 inline int64_t first_chunk(const Shape& sh, const Item& it, int64_t* offs) {
-  SlotWalker walk(sh, it.table, it.start);
   const int64_t n = std::min(kChunk, it.seq_len - it.start);
-  for (int64_t j = 0; j < n; ++j) offs[j] = walk.next();
+  SlotWalker(sh, it.table, it.start).fill(offs, n);
   return n;
 }
 
@@ -521,6 +640,14 @@ void attend_one(const Shape& sh, const Item& it, const Item* following, bool req
                 Scratch& ws) {
   const int64_t d = it.d, kv0 = it.kv0, nkv = it.nkv, seq_len = it.seq_len;
   using Ops = RowOps<C, HD>;
+  // bf16 cache and queries with AVX512-BF16: the V pass may pair keys (accumulate_bf16)
+#ifdef FOLIO_ATTN_BF16DOT
+  constexpr bool kCanPairV = HD > 0 && HD % 32 == 0 && std::is_same_v<C, c10::BFloat16> &&
+                             std::is_same_v<T, c10::BFloat16>;
+#else
+  constexpr bool kCanPairV = false;
+#endif
+  const bool paired_v = kCanPairV && sh.paired_v;
   const int64_t hd = sh.head_dim;
   const int64_t G = sh.group;
   const int64_t nh = nkv * G;
@@ -542,8 +669,7 @@ void attend_one(const Shape& sh, const Item& it, const Item* following, bool req
   }
 
   const int64_t start = it.start;
-  SlotWalker walk(sh, it.table, start);
-  SlotWalker ahead(sh, it.table, start);  // runs one chunk in front of `walk`
+  SlotWalker ahead(sh, it.table, start);  // the slots of the chunk after the current one
   int64_t* next_offs = ws.next_offs.data();
   Prefetcher pf;
   const auto aim = [&](const Item& target) {  // the prefetches' K rows and span
@@ -565,7 +691,7 @@ void attend_one(const Shape& sh, const Item& it, const Item* following, bool req
   // The first chunk, unless the previous item requested it, has nothing to hide
   // behind: request it up front.
   const int64_t n0 = std::min(kChunk, seq_len - start);
-  for (int64_t j = 0; j < n0; ++j) next_offs[j] = ahead.next();
+  ahead.fill(next_offs, n0);
   if (!requested) {
     pf.reset(next_offs, n0, 0);
     pf.flush();
@@ -573,9 +699,9 @@ void attend_one(const Shape& sh, const Item& it, const Item* following, bool req
 
   for (int64_t p0 = start; p0 < seq_len; p0 += kChunk) {
     const int64_t n = std::min(kChunk, seq_len - p0);
-    for (int64_t j = 0; j < n; ++j) offs[j] = walk.next();
+    std::swap(offs, next_offs);  // this chunk's slots, found one chunk ago
     int64_t n_next = std::min(kChunk, std::max<int64_t>(0, seq_len - p0 - kChunk));
-    for (int64_t j = 0; j < n_next; ++j) next_offs[j] = ahead.next();
+    ahead.fill(next_offs, n_next);
     if (n_next == 0 && following != nullptr) {  // the last chunk: the next item's first
       n_next = first_chunk(sh, *following, next_offs);
       aim(*following);
@@ -605,11 +731,24 @@ void attend_one(const Shape& sh, const Item& it, const Item* following, bool req
         softmax_step(s + g * kChunk, n, ws.m[h + g], ws.l[h + g], acc + (h + g) * hd, hd);
       }
       row_pointers(cache + sh.plane_stride + kv * hd, offs, n, rows);
+#ifdef FOLIO_ATTN_BF16DOT
+      if constexpr (kCanPairV) {
+        if (paired_v) {
+          accumulate_bf16<HD>(acc + h * hd, G, s, rows, n, ws.pb.data(), pf);
+          continue;
+        }
+      }
+#endif
       Ops::accumulate(acc + h * hd, G, s, rows, n, hd, tmp, pf);
     }
     pf.flush();
   }
 
+#ifdef FOLIO_ATTN_BF16DOT
+  if constexpr (kCanPairV) {
+    if (paired_v) PairOrder<HD>::unpermute(acc, nh);
+  }
+#endif
   if (partial != nullptr) {  // one partition: m, l and acc for merge_partials
     std::copy(ws.m.begin(), ws.m.begin() + nh, partial);
     std::copy(ws.l.begin(), ws.l.begin() + nh, partial + nh);
@@ -732,7 +871,10 @@ namespace {
 // attention itself). `longest`: the most visible keys of any request.
 Shape checked_shape(const at::Tensor& query, const at::Tensor& kv_cache,
                     const at::Tensor& tables, const at::Tensor& lens, int64_t window,
-                    int64_t& longest) {
+                    int64_t v_pass, int64_t& longest) {
+  TORCH_CHECK(v_pass >= kWidenedV && v_pass <= kLastVPass, "paged_attention_decode: v_pass ",
+              v_pass, kLastVPass == kPairedV ? " is not 0 (widened) or 1 (paired)"
+                                             : " is not built here (0, widened, only)");
   TORCH_CHECK(query.device().is_cpu() && kv_cache.device().is_cpu() &&
                   tables.device().is_cpu() && lens.device().is_cpu(),
               "paged_attention_decode: CPU tensors only");
@@ -767,6 +909,7 @@ Shape checked_shape(const at::Tensor& query, const at::Tensor& kv_cache,
   sh.group = sh.num_heads / sh.num_kv_heads;
   sh.slot_stride = sh.num_kv_heads * sh.head_dim;
   sh.plane_stride = sh.num_blocks * sh.block_size * sh.slot_stride;
+  sh.paired_v = v_pass == kPairedV;
 
   const int64_t* tab = tables.const_data_ptr<int64_t>();
   const int64_t* len = lens.const_data_ptr<int64_t>();
@@ -798,13 +941,13 @@ int64_t window_of(std::optional<int64_t> sliding_window) {
 at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& kv_cache,
                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                   double scale, std::optional<int64_t> sliding_window,
-                                  bool batch_invariant) {
+                                  bool batch_invariant, int64_t v_pass) {
   const int64_t window = window_of(sliding_window);
   const at::Tensor q = query.contiguous();
   const at::Tensor tables = block_tables.contiguous();
   const at::Tensor lens = seq_lens.contiguous();
   int64_t longest = 0;
-  Shape sh = checked_shape(q, kv_cache, tables, lens, window, longest);
+  Shape sh = checked_shape(q, kv_cache, tables, lens, window, v_pass, longest);
   at::Tensor out = q.new_empty(q.sizes());  // (new_empty: no extra ATen op header)
   if (sh.num_decodes == 0 || sh.num_heads == 0 || sh.head_dim == 0) return out;
 
@@ -835,6 +978,9 @@ at::Tensor paged_attention_decode(const at::Tensor& query, const at::Tensor& kv_
   return out;
 }
 
+// How many V passes are built (VPass: 0 widened, then 1 paired with AVX512-BF16).
+int64_t decode_v_passes() { return kLastVPass + 1; }
+
 struct TeamAttention::State {
   Shape sh;
   at::ScalarType dtype, cache_type;
@@ -845,13 +991,13 @@ struct TeamAttention::State {
 TeamAttention::TeamAttention(const at::Tensor& query, const at::Tensor& kv_cache,
                              const at::Tensor& block_tables, const at::Tensor& seq_lens,
                              double scale, std::optional<int64_t> sliding_window,
-                             int64_t team_size)
+                             int64_t team_size, int64_t v_pass)
     : s_(std::make_unique<State>()) {
   const int64_t window = window_of(sliding_window);
   TORCH_CHECK(query.scalar_type() != at::kDouble,
               "paged_attention_decode: float64 is not supported");
   int64_t longest = 0;
-  s_->sh = checked_shape(query, kv_cache, block_tables, seq_lens, window, longest);
+  s_->sh = checked_shape(query, kv_cache, block_tables, seq_lens, window, v_pass, longest);
   s_->dtype = query.scalar_type();
   s_->cache_type = kv_cache.scalar_type();
   s_->scale = static_cast<float>(scale);
@@ -906,8 +1052,9 @@ void TeamAttention::work(const void* query, const void* cache, void* out) {
 TORCH_LIBRARY_FRAGMENT(folio, m) {
   m.def(
       "paged_attention_decode(Tensor query, Tensor kv_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, int? sliding_window=None, bool batch_invariant=False) "
-      "-> Tensor");
+      "Tensor seq_lens, float scale, int? sliding_window=None, bool batch_invariant=False, "
+      "int v_pass=0) -> Tensor");
+  m.def("decode_v_passes() -> int", &folio::decode_v_passes);
 }
 
 TORCH_LIBRARY_IMPL(folio, CPU, m) {

@@ -86,6 +86,76 @@ def test_matches_reference(head_dim, block_size, num_kv_heads, group, window, dt
         torch.testing.assert_close(out.float(), ref32, atol=2 * eps, rtol=2 * eps)
 
 
+@pytest.fixture(params=cpa.V_PASSES)
+def v_pass(request):
+    """Each of the decode kernel's V passes in turn (skipped where not built)."""
+    if request.param not in cpa.decode_v_passes():
+        pytest.skip(f"the {request.param} V pass is not built here (needs AVX512-BF16)")
+    return request.param
+
+
+@pytest.mark.parametrize("window", [None, 70])
+@pytest.mark.parametrize("num_kv_heads,group", [(2, 1), (2, 3), (1, 8)])
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_bf16_matches_reference_with_either_v_pass(head_dim, block_size, num_kv_heads, group,
+                                                   window, v_pass):
+    """bf16 under each V pass: within the output's own rounding of float32 maths."""
+    seq_lens = lens_for(block_size)
+    q, cache, tables, lens = make_decode_batch(seq_lens, block_size, num_kv_heads * group,
+                                               num_kv_heads, head_dim, torch.bfloat16,
+                                               q_scale=2.0)
+    scale = head_dim ** -0.5
+    out = cpa.paged_attention_decode(q, cache, tables, lens, scale, window, v_pass=v_pass)
+    ref32 = reference(q.float(), cache.float(), tables, lens, scale, window)
+    eps = torch.finfo(torch.bfloat16).eps
+    torch.testing.assert_close(out.float(), ref32, atol=2 * eps, rtol=2 * eps)
+
+
+def test_the_v_passes_differ_only_by_the_rounding_of_probabilities():
+    if "paired" not in cpa.decode_v_passes():
+        pytest.skip("the paired V pass is not built here (needs AVX512-BF16)")
+    q, cache, tables, lens = make_decode_batch([37, 150, 301], 16, 9, 3, 64, torch.bfloat16,
+                                               seed=4, q_scale=3.0)
+    outs = {name: cpa.paged_attention_decode(q, cache, tables, lens, 0.125, v_pass=name)
+            for name in cpa.V_PASSES}
+    # both are taken (the switch is real) and agree within a step of the bf16 output
+    assert not torch.equal(outs["widened"], outs["paired"])
+    torch.testing.assert_close(outs["paired"].float(), outs["widened"].float(),
+                               atol=2 ** -7, rtol=2 ** -7)
+    # the default is the widened pass; other dtypes take it whatever is asked
+    assert torch.equal(cpa.paged_attention_decode(q, cache, tables, lens, 0.125),
+                       outs["widened"])
+    q32, cache32 = q.float(), cache.float()
+    assert torch.equal(cpa.paged_attention_decode(q32, cache32, tables, lens, 0.125,
+                                                  v_pass="paired"),
+                       cpa.paged_attention_decode(q32, cache32, tables, lens, 0.125))
+
+
+def test_an_unknown_v_pass_is_refused():
+    q, cache, tables, lens = make_decode_batch([5], 4, 2, 1, 64, torch.bfloat16)
+    with pytest.raises(ValueError, match="not built"):
+        cpa.paged_attention_decode(q, cache, tables, lens, 0.125, v_pass="fast")
+    with pytest.raises(RuntimeError, match="v_pass 7"):
+        cpa.cpu_extension.require().paged_attention_decode(q, cache, tables, lens, 0.125,
+                                                           None, False, 7)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_equal_value_rows_come_back_exactly(head_dim, dtype, v_pass):
+    """Every key of a kv head with the same value row: whatever the scores, the output is
+    that row, bit for bit in a 16-bit dtype (the float32 sums' last-bit error rounds
+    away). On AVX512-BF16 the V pass pairs keys and holds each head's dims in another
+    order until the end: odd key counts, padding and the order put back are all seen."""
+    q, cache, tables, lens = make_decode_batch([1, 2, 37, 64, 65, 150, 301], 16, 9, 3,
+                                               head_dim, dtype, seed=11, q_scale=6.0)
+    rows = torch.randn(3, head_dim, generator=torch.Generator().manual_seed(12)).to(dtype)
+    cache[1] = rows  # [num_blocks, block_size, kv_heads, hd]: every slot, every block
+    out = cpa.paged_attention_decode(q, cache, tables, lens, head_dim ** -0.5, v_pass=v_pass)
+    assert torch.equal(out, rows.repeat_interleave(3, dim=0).expand_as(out))
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
                          ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -10,6 +10,8 @@ points, so they must agree bit for bit.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
@@ -17,6 +19,7 @@ from gguf import GGMLQuantizationType as Q
 from config.schema import MemoryConfig, ModelConfig, WorkerConfig
 from engine_core.worker_sampling import WorkerSamplingParams
 from kernels import cpu_extension
+from kernels import cpu_paged_attention as cpa
 from tests.worker.gguf_factory import TinyModelSpec, write_tiny_gguf
 from worker.input_batch import build_input_batch
 from worker.kv_cache import KVCacheSpec, allocate_kv_cache
@@ -43,6 +46,8 @@ def models(tmp_path_factory):
         "q8_0": TinyModelSpec(proj_type=Q.Q8_0, embed_type=Q.Q8_0, weight_scale=0.1,
                               intermediate_size=128, num_layers=2),
         "f16": TinyModelSpec(proj_type=Q.F16, weight_scale=0.1, num_layers=3),
+        "f16_hd64": TinyModelSpec(proj_type=Q.F16, weight_scale=0.1, num_layers=2,
+                                  hidden_size=128, num_heads=2, num_kv_heads=1),
         "qwen2": TinyModelSpec(arch="qwen2", proj_type=Q.F16, weight_scale=0.1,
                                num_layers=2),
         "q4_1_qwen2": TinyModelSpec(arch="qwen2", proj_type=Q.Q4_1, embed_type=Q.Q8_0,
@@ -309,3 +314,20 @@ def test_the_all_layers_op_refuses_lists_that_do_not_fit_its_caches(models):
         ops.decode_layers(hidden, fused.weights, meta[:-1], caches, *rest)
     out, residual = ops.decode_layers(hidden, fused.weights, meta, caches, *rest)
     assert out.shape == residual.shape == (1, 64) and torch.isfinite(out).all()
+
+
+def test_the_decode_v_pass_reaches_the_op_and_the_layers_alike(models):
+    """The backend's decode V pass (worker/decode_v_pass.py) goes through the step's plan
+    to the unfused kernel and to the op, row stack and layer by layer: the same bits both
+    ways for every pass built, and the passes' results differ, so the choice is taken."""
+    runs = {}  # head_dim 64 (the paired pass's): Q4_K_M on the row stack, f16 not on it
+    for fmt, backend, quantization, stack in (("q4_k_m_llama", "int8", "auto", True),
+                                              ("f16_hd64", "native", "none", False)):
+        runner = runner_for(models[fmt], "bfloat16", backend, quantization=quantization)
+        for name in cpa.decode_v_passes():
+            runner.attention_backend = replace(runner.attention_backend, decode_v_pass=name)
+            runs[fmt, name] = decode_both_ways(runner, prompts=[LONG_PROMPT, PROMPTS[1]],
+                                               stack=stack)
+            assert_same(runs[fmt, name])
+        if len(cpa.decode_v_passes()) > 1:
+            assert not torch.equal(runs[fmt, "paired"][1][0], runs[fmt, "widened"][1][0])
