@@ -220,8 +220,8 @@ def main():
     ap.add_argument("--pairs", type=int, default=3, help="with --base: alternations")
     ap.add_argument("--json", type=Path, help="with --base: write the pairs here")
     ap.add_argument("--v-pass", choices=["widened", "paired"],
-                    help="this checkout's V pass (bf16; worker/decode_v_pass.py chooses one "
-                         "in the engine); with --base the base takes its default")
+                    help="this checkout's V pass (bf16; worker.decode_v_pass in the "
+                         "engine); with --base the base takes its default")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -18,8 +18,8 @@ __all__ = ["DISABLE_ENV", "V_PASSES", "decode_v_passes", "is_available",
 
 # The decode kernel's V passes for a bf16 cache under bf16 queries: "widened" (values
 # widened to float32, FMAs; the default) and, built with AVX512-BF16, "paired" (two keys
-# a lane with `vdpbf16ps`, probabilities rounded to bf16; worker/decode_v_pass.py
-# chooses by measurement). Other dtypes always widen.
+# a lane with `vdpbf16ps`, probabilities rounded to bf16; opt-in through
+# worker.decode_v_pass, see worker/decode_v_pass.py). Other dtypes always widen.
 V_PASSES = ("widened", "paired")
 _V_PASS_INDEX = {name: i for i, name in enumerate(V_PASSES)}
 

@@ -15,10 +15,10 @@ keys and values in cache (the arithmetic is what differs) and keeps the paired p
 only when it is faster by more than a margin.
 
 The choice goes into the worker's AttentionBackend and from there into every step's
-plan (the draft model of speculative decoding keeps the default). It is cached beside
-the linear backend table
-(``worker/linear_backend.py``: per CPU, torch version, thread count and kernel build),
-under the key ``decode_v_pass:<heads>:<kv heads>:<head dim>``.
+plan (the draft model of speculative decoding keeps the default). Under ``auto`` it is
+cached beside the linear backend table (``worker/linear_backend.py``: per CPU, torch
+version, thread count and kernel build), under the key
+``decode_v_pass:<heads>:<kv heads>:<head dim>``.
 """
 from __future__ import annotations
 

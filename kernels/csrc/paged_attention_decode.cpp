@@ -432,8 +432,8 @@ void accumulate_bf16(float* acc, int64_t G, const float* p, const c10::BFloat16*
 
 // The V passes a bf16 cache under bf16 queries can take (a call's v_pass): kWidenedV, the
 // rows widened to float32 for FMAs (the default), and where AVX512-BF16 is built,
-// kPairedV (accumulate_bf16). The worker picks one by measurement
-// (worker/decode_v_pass.py): vdpbf16ps retires at half the FMA rate on some cores.
+// kPairedV (accumulate_bf16), which rounds the probabilities to bf16: opt-in through
+// worker.decode_v_pass (worker/decode_v_pass.py).
 enum VPass : int64_t { kWidenedV = 0, kPairedV = 1 };
 #ifdef FOLIO_ATTN_BF16DOT
 constexpr int64_t kLastVPass = kPairedV;
