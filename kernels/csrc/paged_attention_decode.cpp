@@ -482,7 +482,7 @@ struct Scratch {
   std::vector<float> keys;         // [kChunk, hd] a chunk's keys widened to float
   std::vector<int64_t> offs;       // [kChunk] element offsets of a chunk's slot rows
   std::vector<int64_t> next_offs;  // [kChunk] the same for the next chunk (prefetch)
-  std::vector<uint16_t> pb;        // [G, kChunk] probabilities as bf16 (bf16 V pass)
+  std::vector<uint16_t> pb;        // [G, kChunk] probabilities as bf16 (paired V pass)
   explicit Scratch(const Shape& sh) {
     const int64_t nh = sh.kv_per_item * sh.group;
     q.resize(nh * sh.head_dim);
@@ -494,7 +494,7 @@ struct Scratch {
     keys.resize(kChunk * sh.head_dim);
     offs.resize(kChunk);
     next_offs.resize(kChunk);
-    pb.resize(sh.group * kChunk);
+    if (sh.paired_v) pb.resize(sh.group * kChunk);
   }
 };
 
