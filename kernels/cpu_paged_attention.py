@@ -12,7 +12,7 @@ import torch
 from kernels import cpu_extension
 from kernels.cpu_extension import DISABLE_ENV, is_available, unavailable_reason
 
-__all__ = ["DISABLE_ENV", "V_PASSES", "decode_v_passes", "is_available",
+__all__ = ["DISABLE_ENV", "V_PASSES", "decode_v_passes", "is_available", "v_pass_index",
            "paged_attention_decode", "prefill_attention", "prefill_attention_available",
            "prefill_attention_on_tiles", "unavailable_reason"]
 
@@ -50,16 +50,12 @@ def paged_attention_decode(query: torch.Tensor, kv_cache: torch.Tensor,
     :func:`decode_v_passes`) is the V pass of a bf16 cache under bf16 queries.
     """
     ops = cpu_extension.require()
-    v_index = _V_PASS_INDEX.get(v_pass)
-    if v_index is None or v_index >= len(decode_v_passes()):
-        raise ValueError(f"decode V pass {v_pass!r} is not built here; "
-                         f"have {', '.join(decode_v_passes())}")
     if block_tables.dtype != torch.int64:
         block_tables = block_tables.to(torch.int64)
     if seq_lens.dtype != torch.int64:
         seq_lens = seq_lens.to(torch.int64)
     return ops.paged_attention_decode(query, kv_cache, block_tables, seq_lens, float(scale),
-                                      sliding_window, batch_invariant, v_index)
+                                      sliding_window, batch_invariant, v_pass_index(v_pass))
 
 
 _v_passes: tuple[str, ...] | None = None
@@ -71,6 +67,16 @@ def decode_v_passes() -> tuple[str, ...]:
     if _v_passes is None:
         _v_passes = V_PASSES[:cpu_extension.require().decode_v_passes()]
     return _v_passes
+
+
+def v_pass_index(name: str) -> int:
+    """The native ops' ``v_pass`` argument for V pass ``name``; ValueError if it is not
+    built here."""
+    index = _V_PASS_INDEX.get(name)
+    if index is None or index >= len(decode_v_passes()):
+        raise ValueError(f"decode V pass {name!r} is not built here; "
+                         f"have {', '.join(decode_v_passes())}")
+    return index
 
 
 def prefill_attention_available() -> bool:

@@ -94,22 +94,23 @@ def choose_decode_v_pass(configured: str, num_heads: int, num_kv_heads: int, hea
     started = time.perf_counter()
     built = cpu_paged_attention.decode_v_passes()
     seconds: dict[str, float] = {}
-    path, key = table_path(), table_key(num_heads, num_kv_heads, head_dim)
-    cached = read_table(path).get(key) if len(built) > 1 and configured == "auto" else None
     if len(built) == 1 or head_dim % 32:  # nothing to choose: the kernel widens
         choice, source = "widened", "only"
     elif configured != "auto":
         choice, source = configured, "configured"
     elif deterministic:
         choice, source = "widened", "deterministic"
-    elif cached in built:
-        choice, source = cached, "cached"
-    elif machine_is_busy():
-        choice, source = "widened", "busy"
-    else:
-        seconds = measure(num_heads, num_kv_heads, head_dim)
-        choice, source = faster(seconds), "measured"
-        write_table(path, {**read_table(path), key: choice})
+    else:  # the table is read (and written) only here
+        path, key = table_path(), table_key(num_heads, num_kv_heads, head_dim)
+        table = read_table(path)
+        if table.get(key) in built:
+            choice, source = table[key], "cached"
+        elif machine_is_busy():
+            choice, source = "widened", "busy"
+        else:
+            seconds = measure(num_heads, num_kv_heads, head_dim)
+            choice, source = faster(seconds), "measured"
+            write_table(path, {**table, key: choice})
     log.info("decode attention V pass", choice=choice, source=source,
              **{f"{name}_ms": round(s * 1e3, 3) for name, s in seconds.items()},
              seconds=round(time.perf_counter() - started, 3))

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kernels import cpu_extension
-from kernels.cpu_paged_attention import V_PASSES
+from kernels.cpu_paged_attention import v_pass_index
 from kernels.kv_quant import is_fp8
 from kernels.quant_linear import PackedWeight
 from worker.models.linear import linear_path
@@ -187,7 +187,7 @@ class FusedDecode:
             return self.ops.decode_layers(hidden, self.weights, meta, kv_caches, slots, tables,
                                           lens, cos, sin, self.eps, self.scale,
                                           plan.sliding_window,
-                                          V_PASSES.index(plan.decode_v_pass))
+                                          v_pass_index(plan.decode_v_pass))
         finally:
             for slot, _ in packed:  # the list never keeps a copy alive (sleep frees them)
                 self.weights[slot] = None
